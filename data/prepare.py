@@ -1,0 +1,183 @@
+"""Corpus -> tokenizer -> train/val token shards, prepared once and cached.
+
+Sources (conf/data/*.yaml):
+- pycode:      the Python standard library's own .py files (tests left out): on every machine that has Python.
+- text:        local files, `data.paths=[file or glob, ...]`; .txt/.md/.py as text, .json/.jsonl, .parquet.
+- fineweb_edu: streamed from the Hugging Face hub (online only), the first `data.max_docs` documents.
+
+Text is read through HF `datasets`, tokenized with tiktoken in a batched `.map` over `num_proc` processes, documents
+are shuffled (fixed seed) and joined with EOT after each, and the stream's last `val_fraction` becomes the val shard.
+The cache key is a hash of the sources (paths, sizes, mtimes) and every setting that changes the tokens, so a change
+to either prepares again and a rerun costs nothing. Everything is written to a temporary folder and renamed into place
+only when complete: an interrupted prepare never leaves a half-written cache behind.
+"""
+import glob
+import hashlib
+import json
+import os
+import shutil
+import sysconfig
+import time
+
+import numpy as np
+
+from data import shards, tokenizer
+
+CACHE_VERSION = 1
+GPT2_VOCAB = 50257
+BUILDERS = {".txt": "text", ".md": "text", ".py": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+class DataError(ValueError):
+    """Bad data settings or input; train.py turns it into a one-line error."""
+
+
+def vocab_size(dcfg):
+    return GPT2_VOCAB if dcfg.tokenizer == "gpt2" else int(dcfg.vocab_size)
+
+
+def local_files(dcfg):
+    """The files of a local source, checked before any work: every pattern matches, the corpus is not empty."""
+    if dcfg.source == "pycode":
+        root = sysconfig.get_paths()["stdlib"]
+        skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "encodings"}  # encodings: codec tables
+        files = sorted(f for f in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+                       if not skip & set(os.path.relpath(f, root).split(os.sep)))
+        if not files:
+            raise DataError(f"data=pycode: no .py files under the standard library at {root}")
+    else:
+        if not dcfg.paths:
+            raise DataError("data=text needs data.paths=[file or glob, ...]")
+        files = []
+        for pattern in dcfg.paths:
+            found = sorted(f for f in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(f))
+            if not found:
+                raise DataError(f"data.paths: {pattern!r} matches no file")
+            files += found
+        exts = {os.path.splitext(f)[1] for f in files}
+        unknown = exts - BUILDERS.keys()
+        if unknown:
+            raise DataError(f"data.paths: can't read {sorted(unknown)} files; known: {sorted(BUILDERS)}")
+        if len({BUILDERS[e] for e in exts}) > 1:
+            raise DataError(f"data.paths mixes formats {sorted(exts)}; give one kind of file per run")
+    if sum(os.path.getsize(f) for f in files) == 0:
+        raise DataError(f"empty corpus: the {len(files)} file(s) of data={dcfg.source} hold no bytes")
+    return files
+
+
+def cache_key(dcfg, files):
+    what = {"v": CACHE_VERSION, "source": dcfg.source, "tokenizer": dcfg.tokenizer, "vocab": vocab_size(dcfg),
+            "val_fraction": dcfg.val_fraction, "dtype": dcfg.token_dtype, "sample_by": dcfg.sample_by,
+            "text_field": dcfg.text_field, "max_docs": dcfg.get("max_docs"), "hub": dcfg.get("hub_name"),
+            "files": [(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files or []]}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def prepare(dcfg, cache_dir, log=print):
+    """Return the cache folder holding train.bin, val.bin, meta.json (and the bpe tokenizer), preparing it once."""
+    files = None if dcfg.source == "fineweb_edu" else local_files(dcfg)
+    dtype = shards.token_dtype(vocab_size(dcfg), dcfg.token_dtype)
+    out = os.path.join(os.path.expanduser(cache_dir), f"{dcfg.source}-{dcfg.tokenizer}-{cache_key(dcfg, files)}")
+    if os.path.exists(os.path.join(out, "meta.json")):
+        return out
+    tmp = f"{out}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        t0 = time.time()
+        docs = hub_docs(dcfg) if files is None else local_docs(dcfg, files, os.path.join(tmp, "hf"))
+        log(f"data: {len(docs):,} documents from data={dcfg.source}, tokenizing with {dcfg.tokenizer}")
+        if dcfg.tokenizer == "bpe":
+            t1 = time.time()
+            ranks, pattern = tokenizer.train_bpe(text_stream(docs, dcfg.bpe_train_chars), vocab_size(dcfg))
+            tokenizer.save_bpe(os.path.join(tmp, "bpe"), ranks, pattern)
+            log(f"data: trained a {vocab_size(dcfg)}-token BPE in {time.time() - t1:.1f}s")
+        spec = os.path.join(tmp, "bpe") if dcfg.tokenizer == "bpe" else "gpt2"
+        docs = docs.shuffle(seed=0).map(encode_batch, batched=True, batch_size=256, fn_kwargs={"spec": spec},
+                                        num_proc=max(1, min(dcfg.num_proc or os.cpu_count(), len(docs) // 256)),
+                                        remove_columns=docs.column_names, desc="tokenizing")
+        count = write_split(docs, dtype, tmp, dcfg.val_fraction)
+        shutil.rmtree(os.path.join(tmp, "hf"), ignore_errors=True)
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump({"tokenizer": dcfg.tokenizer, "vocab_size": vocab_size(dcfg), "tokens": count,
+                       "documents": len(docs), "files": len(files or [])}, f)
+        if os.path.exists(out):  # another process finished first; its copy is as good as ours
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, out)
+        log(f"data: {count:,} tokens written to {out} in {time.time() - t0:.1f}s")
+        return out
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def local_docs(dcfg, files, hf_cache):
+    import datasets
+    datasets.disable_progress_bars() if os.environ.get("CI") else None
+    builder = BUILDERS[os.path.splitext(files[0])[1]]
+    kw = {"sample_by": dcfg.sample_by} if builder == "text" else {}
+    ds = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=hf_cache, **kw)
+    if dcfg.text_field not in ds.column_names:
+        raise DataError(f"data.text_field={dcfg.text_field!r} is not a column of {files[0]} (has {ds.column_names})")
+    return ds.select_columns([dcfg.text_field]).rename_column(dcfg.text_field, "text") \
+        if dcfg.text_field != "text" else ds.select_columns(["text"])
+
+
+def hub_docs(dcfg):
+    """The first max_docs documents of a hub dataset, streamed (no full download) into a map-style dataset."""
+    import datasets
+    try:
+        stream = datasets.load_dataset(dcfg.hub_name, name=dcfg.hub_subset, split="train", streaming=True)
+        rows = [r[dcfg.text_field] for _, r in zip(range(dcfg.max_docs), stream)]
+    except Exception as e:
+        raise DataError(f"data=fineweb_edu streams {dcfg.hub_name} from the Hugging Face hub and could not reach it "
+                        f"({type(e).__name__}); offline, use data=pycode or data=text") from None
+    return datasets.Dataset.from_dict({"text": rows})
+
+
+def text_stream(docs, max_chars):
+    """The documents' text, up to max_chars in all: enough to learn merges without reading a huge corpus twice."""
+    seen = 0
+    for batch in docs.iter(batch_size=256):
+        for text in batch["text"]:
+            yield text
+            seen += len(text)
+            if seen >= max_chars:
+                return
+
+
+_encoders = {}
+
+
+def encode_batch(batch, spec):
+    # load once per worker process; the spec (a path or "gpt2") pickles where an Encoding need not
+    if spec not in _encoders:
+        _encoders[spec] = tokenizer.gpt2() if spec == "gpt2" else tokenizer.load_bpe(spec)
+    enc = _encoders[spec]
+    eot = tokenizer.eot_id(enc)
+    return {"ids": [ids + [eot] for ids in enc.encode_ordinary_batch(batch["text"])]}
+
+
+def write_split(docs, dtype, out, val_fraction):
+    """Stream all documents into one shard, then split it: its last val_fraction of tokens becomes val.bin."""
+    w = shards.ShardWriter(os.path.join(out, "all.bin"), dtype)
+    for batch in docs.iter(batch_size=1024):
+        w.write(np.concatenate([np.asarray(ids) for ids in batch["ids"]]))
+    w.close()
+    tokens = shards.read_shard(w.path)
+    n_val = max(1, int(len(tokens) * val_fraction))
+    shards.write_shard(os.path.join(out, "train.bin"), tokens[:-n_val], dtype)
+    shards.write_shard(os.path.join(out, "val.bin"), tokens[-n_val:], dtype)
+    del tokens
+    os.remove(w.path)
+    return w.count
+
+
+def load(folder):
+    """(train tokens, val tokens, tokenizer Encoding, meta) of a prepared cache folder."""
+    with open(os.path.join(folder, "meta.json")) as f:
+        meta = json.load(f)
+    enc = tokenizer.gpt2() if meta["tokenizer"] == "gpt2" else tokenizer.load_bpe(os.path.join(folder, "bpe"))
+    return shards.read_shard(os.path.join(folder, "train.bin")), shards.read_shard(os.path.join(folder, "val.bin")), \
+        enc, meta

@@ -1,0 +1,80 @@
+"""Shared test helpers: configs composed as `python train.py ...` would, a token cache shared by the session,
+a small real corpus, and a reader for W&B's offline run files."""
+import glob
+import json
+import os
+import struct
+import sysconfig
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED = os.path.join(os.path.dirname(ROOT), "shared")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def token_cache(tmp_path_factory):
+    """One data cache for the session, so each corpus is tokenized once, never in the user's ~/.cache."""
+    path = str(tmp_path_factory.mktemp("cache"))
+    os.environ["NANOPARALLEL_CACHE"] = path
+    return path
+
+
+def make_cfg(*overrides):
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def small_corpus():
+    """A few hundred KB of real Python, present wherever Python is: the stdlib's json and email packages."""
+    root = sysconfig.get_paths()["stdlib"]
+    return [os.path.join(root, "json", "*.py"), os.path.join(root, "email", "*.py")]
+
+
+def small_run(*overrides):
+    """Overrides for a fast run of the tiny model on the small corpus (a 512-token BPE, 64-token sequences)."""
+    paths = "[" + ",".join(small_corpus()) + "]"
+    return ["data=text", f"data.paths={paths}", "data.vocab_size=512", "data.num_proc=1", "train.seq_len=64",
+            "model.block_size=64", "model.n_layer=2", "model.n_embd=64", "model.n_head=2",
+            "train.global_batch_size=8", "train.micro_batch_size=4", "train.max_steps=6", "train.eval_every=3",
+            "train.eval_steps=2", "train.log_every=1", "train.sample_tokens=0", "logger.mode=disabled",
+            *overrides]
+
+
+def read_metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def read_wandb_history(run_dir):
+    """The history rows of the offline W&B run in run_dir, decoded from its .wandb file.
+
+    The file is W&B's 7-byte header ("W&B", version) then LevelDB-log framing: 32 KiB blocks of records, each
+    a 7-byte header (crc32c, length, type: 1 full, 2 first, 3 middle, 4 last) and a piece of a protobuf Record."""
+    from wandb.proto import wandb_internal_pb2 as pb
+    (path,) = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))
+    data = open(path, "rb").read()
+    assert data[:3] == b":W&" or data[:4] == b":W&B", data[:8]
+    pos, block, rows, pending = 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # block trailer: padding
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0 and length == 0:
+            pos += left
+            continue
+        pending += data[pos + 7: pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            rec = pb.Record()
+            rec.ParseFromString(pending)
+            pending = b""
+            if rec.WhichOneof("record_type") == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in rec.history.item})
+    return rows

@@ -1,0 +1,113 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+import train
+from conftest import ROOT, make_cfg, read_metrics, read_wandb_history, small_run
+from data import prepare
+
+
+def test_every_group_option_composes():
+    for group in ("model", "data", "parallel", "optim", "logger"):
+        options = sorted(f[:-5] for f in os.listdir(os.path.join(ROOT, "conf", group)) if f.endswith(".yaml"))
+        assert options, group
+        for option in options:
+            extra = ["data.paths=[x.txt]"] if (group, option) == ("data", "text") else []
+            cfg = make_cfg(f"{group}={option}", *extra)
+            assert cfg[group] is not None
+            if group == "model":
+                assert cfg.model.n_embd % cfg.model.n_head == 0
+            if group == "data":
+                assert cfg.data.source == option and cfg.data.tokenizer in ("bpe", "gpt2")
+    assert make_cfg("data=fineweb_edu").data.tokenizer == "gpt2"
+    assert make_cfg("data=text", "data.paths=[a]").data.sample_by == "paragraph"  # inherits the rest from pycode
+
+
+def test_short_run_learns_and_logs(tmp_path):
+    run_dir = str(tmp_path / "run")
+    cfg = make_cfg(*small_run("train.max_steps=40", "train.eval_every=20", "train.log_every=5",
+                              "logger.mode=offline", "train.sample_tokens=10"))
+    train.run(cfg, run_dir)
+    records = read_metrics(run_dir)
+    start = records[0]
+    assert start["n_params"] > 0 and start["world_size"] == 1 and start["grad_accum"] == 2
+    vals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    assert [s for s, _ in vals] == [0, 20, 40]
+    assert vals[-1][1] < vals[0][1] - 1.0, vals  # the validation loss falls clearly
+    losses = [r for r in records if "loss" in r]
+    assert [r["step"] for r in losses] == list(range(5, 41, 5))
+    for r in losses:
+        assert {"lr", "tok_per_s", "grad_norm", "peak_mem_mb", "step_time_s"} <= r.keys() and r["tok_per_s"] > 0
+    assert losses[-1]["loss"] < losses[0]["loss"]
+    # W&B received the same numbers: decode its offline run file, don't just look for the folder
+    history = {row["_step"]: row for row in read_wandb_history(run_dir)}
+    for r in losses:
+        assert history[r["step"]]["loss"] == pytest.approx(r["loss"])
+    assert history[40]["val_loss"] == pytest.approx(vals[-1][1])
+    assert os.path.exists(os.path.join(run_dir, "checkpoint.pt"))
+    assert "seq_len: 64" in open(os.path.join(run_dir, "config.yaml")).read()  # the resolved config
+
+
+def bad(tmp_path, *overrides):
+    """Run with bad settings: it must fail with a clear error and write nothing at all."""
+    run_dir = tmp_path / "run"
+    cache = os.environ["NANOPARALLEL_CACHE"]
+    before = sorted(os.listdir(cache))
+    with pytest.raises((train.ConfigError, prepare.DataError)) as err:
+        train.run(make_cfg(*small_run(*overrides)), str(run_dir))
+    assert not run_dir.exists() or not os.listdir(run_dir)
+    assert sorted(os.listdir(cache)) == before
+    return str(err.value)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["train.micro_batch_size=3"], "not divisible"),
+    (["train.global_batch_size=6"], "not divisible"),
+    (["train.seq_len=128"], "longer than the model's context"),
+    (["data.paths=[/nonexistent/*.txt]"], "matches no file"),
+    (["data.vocab_size=70000", "data.token_dtype=uint16"], "does not fit in data.token_dtype=uint16"),
+    (["train.dtype=float16"], "expected auto, float32 or bfloat16"),
+    (["logger.mode=sometimes"], "expected offline, online or disabled"),
+    (["train.max_steps=0"], "at least 1"),
+])
+def test_bad_settings(tmp_path, overrides, message):
+    assert message in bad(tmp_path, *overrides)
+
+
+def test_empty_corpus(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    assert "empty corpus" in bad(tmp_path, f"data.paths=[{tmp_path}/empty.txt]")
+
+
+def test_bfloat16_where_the_device_cant(tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "bf16_supported", lambda device: False)
+    assert "can't compute in bfloat16" in bad(tmp_path, "train.dtype=bfloat16")
+
+
+def test_existing_run_dir_is_never_overwritten(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 0, "old": true}\n')
+    with pytest.raises(train.ConfigError, match="already holds a run"):
+        train.run(make_cfg(*small_run()), str(run_dir))
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 0, "old": true}\n'
+    assert sorted(os.listdir(run_dir)) == ["metrics.jsonl"]
+
+
+def cli(*args, cwd):
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
+    return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    run_dir = tmp_path / "run"
+    p = cli(*small_run("train.micro_batch_size=3"), f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: train.global_batch_size=8"), p.stderr
+    assert not run_dir.exists() or not os.listdir(run_dir)
+    p = cli("model=gpt_huge", cwd=tmp_path)  # an unknown group option: Hydra says so, listing the choices
+    assert p.returncode != 0 and "Could not find 'model/gpt_huge'" in p.stderr and "gpt_tiny" in p.stderr
+    assert not (tmp_path / "outputs").exists()

@@ -1,0 +1,286 @@
+"""Train a GPT. The recipe, top to bottom: config -> checks -> process group -> data -> model -> optimizer -> loop.
+
+    python train.py                                   # tiny GPT on the stdlib's Python sources, CPU or GPU
+    python train.py model=gpt_125m data=text data.paths=[my.txt] train.max_steps=2000
+    torchrun --nproc_per_node=8 train.py parallel=...  # once parallel strategies are in
+
+Every setting lives in conf/ (Hydra); `python train.py --help` lists the groups and their options.
+Bad settings stop the run with one line, `error: ...`, before any work and before anything is written.
+"""
+import contextlib
+import json
+import math
+import os
+import resource
+import sys
+import time
+
+import hydra
+import torch
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from data import prepare, shards
+from model import GPT, GPTConfig
+
+# Peak dense bf16 matmul rates, FLOP/s, from the vendors' data sheets (dense, no sparsity). MFU is reported only
+# where the device is listed; a CPU's peak is not a number we can state honestly.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+class ConfigError(ValueError):
+    """A setting that can't work; reported as one line before any work."""
+
+
+def check_config(cfg, run_dir, world):
+    """Everything that can be known wrong before work starts; returns (device, dtype, grad_accum)."""
+    t, d = cfg.train, cfg.data
+    # a finished or running run would lose its files: refuse before writing anything
+    taken = [f for f in ("config.yaml", "metrics.jsonl", "checkpoint.pt") if os.path.exists(os.path.join(run_dir, f))]
+    if taken:
+        raise ConfigError(f"run dir {run_dir} already holds a run ({', '.join(taken)}); "
+                          f"choose another with hydra.run.dir=... or move it away")
+    if cfg.parallel.name == "single" and world > 1:
+        raise ConfigError(f"parallel=single runs in one process, but {world} were launched; pick a parallel strategy")
+    if t.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"train.device={t.device!r}: expected auto, cpu or cuda")
+    if t.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda, but torch sees no CUDA device")
+    device = "cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu"
+    if t.dtype not in ("auto", "float32", "bfloat16"):
+        raise ConfigError(f"train.dtype={t.dtype!r}: expected auto, float32 or bfloat16")
+    if t.dtype == "bfloat16" and not bf16_supported(device):
+        raise ConfigError(f"train.dtype=bfloat16, but this {device} can't compute in bfloat16; use train.dtype=float32")
+    dtype = t.dtype if t.dtype != "auto" else ("bfloat16" if device == "cuda" and bf16_supported(device) else "float32")
+    dp_world = world  # every rank is a data-parallel rank until tensor parallelism splits them
+    for key in ("global_batch_size", "micro_batch_size", "seq_len", "max_steps", "eval_every", "eval_steps",
+                "log_every"):
+        if t[key] < 1:
+            raise ConfigError(f"train.{key}={t[key]} must be at least 1")
+    if t.global_batch_size % (t.micro_batch_size * dp_world):
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size "
+                          f"({t.micro_batch_size}) x data-parallel ranks ({dp_world})")
+    if t.seq_len > cfg.model.block_size:
+        raise ConfigError(f"train.seq_len={t.seq_len} is longer than the model's context "
+                          f"(model.block_size={cfg.model.block_size})")
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size < prepare.vocab_size(d):
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                          f"({prepare.vocab_size(d)}); leave it null to follow the tokenizer")
+    if cfg.logger.mode not in ("offline", "online", "disabled"):
+        raise ConfigError(f"logger.mode={cfg.logger.mode!r}: expected offline, online or disabled")
+    if not 0 < d.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction={d.val_fraction} must be between 0 and 1")
+    if d.tokenizer not in ("bpe", "gpt2"):
+        raise ConfigError(f"data.tokenizer={d.tokenizer!r}: expected bpe or gpt2")
+    if d.tokenizer == "bpe" and d.vocab_size <= 257:
+        raise ConfigError(f"data.vocab_size={d.vocab_size}: a byte-level BPE needs more than 257 tokens")
+    try:
+        shards.token_dtype(prepare.vocab_size(d), d.token_dtype)  # vocab too large for the shard dtype
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if d.source != "fineweb_edu":
+        prepare.local_files(d)  # missing paths, empty corpus
+    return device, dtype, t.global_batch_size // (t.micro_batch_size * dp_world)
+
+
+def bf16_supported(device):
+    if device == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()  # CPUs with AVX512-BF16/AMX, or emulation that oneDNN trusts
+
+
+def lr_at(step, o, max_steps):
+    """Linear warmup to lr, then cosine decay to min_lr at max_steps."""
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    progress = (step - o.warmup_steps) / max(1, max_steps - o.warmup_steps)
+    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def make_optimizer(model, o):
+    # decay matrices (linear weights, embeddings), not norm gains: a gain pulled toward 0 only fights the norm
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+
+
+@torch.no_grad()
+def evaluate(model, val, cfg, autocast, device, rank, world):
+    """Mean loss over eval_steps fixed val batches (the same ones at every evaluation), averaged over ranks."""
+    model.eval()
+    t = cfg.train
+    total = torch.zeros((), device=device)
+    for i in range(t.eval_steps):
+        x, y = shards.get_batch(val, "val", t.seed, i, t.micro_batch_size * world, t.seq_len, rank, world)
+        with autocast:
+            total += model(x.to(device), y.to(device)).float()
+    if world > 1:
+        dist.all_reduce(total)
+    model.train()
+    return total.item() / (t.eval_steps * world)
+
+
+class Metrics:
+    """metrics.jsonl (one JSON object per line) and W&B, on rank 0; on other ranks every call does nothing."""
+
+    def __init__(self, cfg, run_dir, rank):
+        self.on = rank == 0
+        if not self.on:
+            return
+        import wandb
+        self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        lg = cfg.logger
+        self.wandb = wandb.init(project=lg.project, group=lg.group, name=lg.name, mode=lg.mode, dir=run_dir,
+                                config=OmegaConf.to_container(cfg, resolve=True),
+                                settings=wandb.Settings(console="off", quiet=True))
+
+    def log(self, record):
+        if self.on:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+            self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def close(self):
+        if self.on:
+            self.file.close()
+            self.wandb.finish()
+
+
+def peak_memory_mb(device):
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the process's peak RSS (Linux: KiB)
+
+
+def save_checkpoint(path, model, opt, step, cfg):
+    """Write to a temporary file, then rename: a crash mid-save leaves the previous checkpoint whole."""
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+             "config": OmegaConf.to_container(cfg, resolve=True)}
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def run(cfg, run_dir):
+    # --- process group: torchrun sets RANK/WORLD_SIZE; plain `python train.py` is one process
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device, dtype, accum = check_config(cfg, run_dir, world)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if world > 1:
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    if device == "cuda":
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+    print0 = print if rank == 0 else (lambda *a, **k: None)
+    t, o = cfg.train, cfg.optim
+    if rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        OmegaConf.save(cfg, os.path.join(run_dir, "config.yaml"), resolve=True)
+
+    # --- data: one process per machine prepares the shards, the others wait and then read the cache
+    if local_rank == 0:
+        prepare.prepare(cfg.data, cfg.data.cache_dir, log=print0)
+    if world > 1:
+        dist.barrier()
+    train_tokens, val_tokens, enc, meta = prepare.load(prepare.prepare(cfg.data, cfg.data.cache_dir))
+    for name, toks in (("train", train_tokens), ("val", val_tokens)):
+        if len(toks) <= t.seq_len:
+            raise ConfigError(f"the {name} split has {len(toks)} tokens, too few for seq_len={t.seq_len}; "
+                              f"add text or lower data.val_fraction / train.seq_len")
+
+    # --- model: built on the meta device and materialized in place, so no full copy is ever made elsewhere
+    mcfg = GPTConfig(vocab_size=cfg.model.vocab_size or meta["vocab_size"], block_size=cfg.model.block_size,
+                     n_layer=cfg.model.n_layer, n_head=cfg.model.n_head, n_embd=cfg.model.n_embd)
+    with torch.device("meta"):
+        model = GPT(mcfg)
+    model.to_empty(device=device)
+    torch.manual_seed(t.seed)
+    model.init_weights()
+    n_params, flops_per_token = model.num_params(), model.flops_per_token(t.seq_len)
+    opt = make_optimizer(model, o)
+    fwd_model = torch.compile(model) if t.compile else model
+    autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if dtype == "bfloat16" \
+        else contextlib.nullcontext()
+    peak = next((v for k, v in PEAK_FLOPS.items() if device.startswith("cuda") and k in torch.cuda.get_device_name()),
+                None)
+
+    metrics = Metrics(cfg, run_dir, rank)
+    tokens_per_step = t.global_batch_size * t.seq_len
+    metrics.log({"step": 0, "n_params": n_params, "flops_per_token": flops_per_token, "world_size": world,
+                 "tokens_per_step": tokens_per_step, "grad_accum": accum, "device": device, "dtype": dtype})
+    print0(f"model: {n_params / 1e6:.2f}M parameters, vocab {mcfg.vocab_size} (padded {mcfg.padded_vocab_size}) | "
+           f"data: {len(train_tokens):,} train / {len(val_tokens):,} val tokens | {device} {dtype} | "
+           f"{world} rank(s), grad accumulation {accum} | run dir {run_dir}")
+
+    # --- the loop. `step` counts finished optimizer steps; evaluation runs at 0, every eval_every, and at the end.
+    record = {"step": 0, "val_loss": evaluate(fwd_model, val_tokens, cfg, autocast, device, rank, world)}
+    metrics.log(record)
+    print0(f"step 0: val loss {record['val_loss']:.4f}")
+    bar = tqdm(range(1, t.max_steps + 1), disable=rank != 0, desc="train", dynamic_ncols=True, file=sys.stdout,
+               mininterval=0.1 if sys.stdout.isatty() else 30)  # a log file gets a line every 30 s, not thousands
+    t_last, tokens_since = time.time(), 0
+    for step in bar:
+        lr = lr_at(step - 1, o, t.max_steps)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        x, y = shards.get_batch(train_tokens, "train", t.seed, step - 1, t.global_batch_size, t.seq_len, rank, world)
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(accum):
+            sl = slice(micro * t.micro_batch_size, (micro + 1) * t.micro_batch_size)
+            with autocast:
+                loss = fwd_model(x[sl].to(device), y[sl].to(device))
+            # each micro-batch's mean loss weighs 1/accum, so the summed gradient is that of the whole batch's mean
+            (loss / accum).backward()
+            loss_sum += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip if o.grad_clip > 0 else math.inf)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        tokens_since += tokens_per_step
+
+        record = {"step": step}
+        if step % t.log_every == 0 or step == t.max_steps:
+            if world > 1:
+                dist.all_reduce(loss_sum)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            dt = time.time() - t_last
+            tok_s = tokens_since / dt
+            record.update(loss=loss_sum.item() / (accum * world), lr=lr, grad_norm=grad_norm.item(), tok_per_s=tok_s,
+                          step_time_s=dt * tokens_per_step / tokens_since, peak_mem_mb=peak_memory_mb(device))
+            if peak:
+                record["mfu"] = flops_per_token * tok_s / (peak * world)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
+            t_last, tokens_since = time.time(), 0
+        if step % t.eval_every == 0 or step == t.max_steps:
+            record["val_loss"] = evaluate(fwd_model, val_tokens, cfg, autocast, device, rank, world)
+            bar.write(f"step {step}: val loss {record['val_loss']:.4f}") if rank == 0 else None
+            t_last = time.time()  # evaluation time is not training throughput
+        if len(record) > 1:
+            metrics.log(record)
+    bar.close()
+
+    if rank == 0 and t.checkpoint:
+        save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), model, opt, t.max_steps, cfg)
+    if rank == 0 and t.sample_tokens > 0:
+        prompt = torch.tensor([enc.encode_ordinary(t.sample_prompt) or [prepare.tokenizer.eot_id(enc)]], device=device)
+        with autocast:
+            out = model.generate(prompt, t.sample_tokens)
+        print0("--- sample ---\n" + enc.decode(out[0].tolist()) + "\n--------------")
+    metrics.close()
+    if world > 1:
+        dist.destroy_process_group()
+    return record
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def main(cfg):
+    try:
+        run(cfg, HydraConfig.get().runtime.output_dir)
+    except (ConfigError, prepare.DataError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()
