@@ -2,12 +2,13 @@
 
     python train.py                                   # tiny GPT on the stdlib's Python sources, CPU or GPU
     python train.py model=gpt_125m data=text data.paths=[my.txt] train.max_steps=2000
-    torchrun --nproc_per_node=8 train.py parallel=...  # once parallel strategies are in
+    torchrun --nproc_per_node=4 train.py parallel=zero2 parallel.impl=scratch
 
 Every setting lives in conf/ (Hydra); `python train.py --help` lists the groups and their options.
 Bad settings stop the run with one line, `error: ...`, before any work and before anything is written.
 """
 import contextlib
+import gc
 import json
 import math
 import os
@@ -22,8 +23,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
+import parallel
 from data import prepare, shards
 from model import GPT, GPTConfig
+from parallel.comm import CommCounter
 
 # Peak dense bf16 matmul rates, FLOP/s, from the vendors' data sheets (dense, no sparsity). MFU is reported only
 # where the device is listed; a CPU's peak is not a number we can state honestly.
@@ -42,8 +45,9 @@ def check_config(cfg, run_dir, world):
     if taken:
         raise ConfigError(f"run dir {run_dir} already holds a run ({', '.join(taken)}); "
                           f"choose another with hydra.run.dir=... or move it away")
-    if cfg.parallel.name == "single" and world > 1:
-        raise ConfigError(f"parallel=single runs in one process, but {world} were launched; pick a parallel strategy")
+    problem = parallel.check(cfg.parallel, world)
+    if problem:
+        raise ConfigError(problem)
     if t.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"train.device={t.device!r}: expected auto, cpu or cuda")
     if t.device == "cuda" and not torch.cuda.is_available():
@@ -119,6 +123,7 @@ def evaluate(model, val, cfg, autocast, device, rank, world):
             total += model(x.to(device), y.to(device)).float()
     if world > 1:
         dist.all_reduce(total)
+    parallel.reshard(model)  # a forward without backward may leave sharded parameters gathered
     model.train()
     return total.item() / (t.eval_steps * world)
 
@@ -155,10 +160,13 @@ def peak_memory_mb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the process's peak RSS (Linux: KiB)
 
 
-def save_checkpoint(path, model, opt, step, cfg):
-    """Write to a temporary file, then rename: a crash mid-save leaves the previous checkpoint whole."""
-    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
-             "config": OmegaConf.to_container(cfg, resolve=True)}
+def save_checkpoint(path, weights, opt, step, cfg):
+    """Write to a temporary file, then rename: a crash mid-save leaves the previous checkpoint whole.
+    The optimizer state is saved only where one process holds all of it (single, ddp); sharded strategies get
+    distributed checkpoints later."""
+    state = {"model": weights, "step": step, "config": OmegaConf.to_container(cfg, resolve=True)}
+    if cfg.parallel.name in ("single", "ddp"):
+        state["optimizer"] = opt.state_dict()
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
 
@@ -170,6 +178,7 @@ def run(cfg, run_dir):
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if world > 1:
         dist.init_process_group("nccl" if device == "cuda" else "gloo")
+        dist.barrier()  # every rank has checked the run dir before rank 0 writes into it
     if device == "cuda":
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
@@ -199,8 +208,9 @@ def run(cfg, run_dir):
     torch.manual_seed(t.seed)
     model.init_weights()
     n_params, flops_per_token = model.num_params(), model.flops_per_token(t.seq_len)
-    opt = make_optimizer(model, o)
-    fwd_model = torch.compile(model) if t.compile else model
+    if t.compile:
+        model.compile()  # in place, so the strategies' hooks and wrappers see the same module
+    model, opt = parallel.apply(model, cfg.parallel, lambda m: make_optimizer(m, o))
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if dtype == "bfloat16" \
         else contextlib.nullcontext()
     peak = next((v for k, v in PEAK_FLOPS.items() if device.startswith("cuda") and k in torch.cuda.get_device_name()),
@@ -208,14 +218,17 @@ def run(cfg, run_dir):
 
     metrics = Metrics(cfg, run_dir, rank)
     tokens_per_step = t.global_batch_size * t.seq_len
-    metrics.log({"step": 0, "n_params": n_params, "flops_per_token": flops_per_token, "world_size": world,
-                 "tokens_per_step": tokens_per_step, "grad_accum": accum, "device": device, "dtype": dtype})
+    reduce_bytes = parallel.DTYPES[cfg.parallel.get("reduce_dtype", "float32")].itemsize
+    metrics.log({"step": 0, "n_params": n_params, "param_bytes": n_params * reduce_bytes, "world_size": world,
+                 "flops_per_token": flops_per_token, "tokens_per_step": tokens_per_step, "grad_accum": accum,
+                 "device": device, "dtype": dtype, "parallel": cfg.parallel.name,
+                 "impl": cfg.parallel.get("impl", "scratch")})
     print0(f"model: {n_params / 1e6:.2f}M parameters, vocab {mcfg.vocab_size} (padded {mcfg.padded_vocab_size}) | "
            f"data: {len(train_tokens):,} train / {len(val_tokens):,} val tokens | {device} {dtype} | "
-           f"{world} rank(s), grad accumulation {accum} | run dir {run_dir}")
+           f"{world} rank(s) {cfg.parallel.name}, grad accumulation {accum} | run dir {run_dir}")
 
     # --- the loop. `step` counts finished optimizer steps; evaluation runs at 0, every eval_every, and at the end.
-    record = {"step": 0, "val_loss": evaluate(fwd_model, val_tokens, cfg, autocast, device, rank, world)}
+    record = {"step": 0, "val_loss": evaluate(model, val_tokens, cfg, autocast, device, rank, world)}
     metrics.log(record)
     print0(f"step 0: val loss {record['val_loss']:.4f}")
     bar = tqdm(range(1, t.max_steps + 1), disable=rank != 0, desc="train", dynamic_ncols=True, file=sys.stdout,
@@ -227,15 +240,19 @@ def run(cfg, run_dir):
             group["lr"] = lr
         x, y = shards.get_batch(train_tokens, "train", t.seed, step - 1, t.global_batch_size, t.seq_len, rank, world)
         loss_sum = torch.zeros((), device=device)
-        for micro in range(accum):
-            sl = slice(micro * t.micro_batch_size, (micro + 1) * t.micro_batch_size)
-            with autocast:
-                loss = fwd_model(x[sl].to(device), y[sl].to(device))
-            # each micro-batch's mean loss weighs 1/accum, so the summed gradient is that of the whole batch's mean
-            (loss / accum).backward()
-            loss_sum += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip if o.grad_clip > 0 else math.inf)
-        opt.step()
+        with CommCounter() as comm:  # every collective of the step, ours or torch's
+            for micro in range(accum):
+                sl = slice(micro * t.micro_batch_size, (micro + 1) * t.micro_batch_size)
+                # only the last micro-step's backward communicates; the others accumulate gradients locally
+                with parallel.no_sync(model, opt) if micro < accum - 1 else contextlib.nullcontext():
+                    with autocast:
+                        loss = model(x[sl].to(device), y[sl].to(device))
+                    # each micro-batch's mean loss weighs 1/accum: the summed gradient is that of the batch's mean
+                    (loss / accum).backward()
+                loss_sum += loss.detach()
+            grad_norm = parallel.clip_grad_norm(model, opt, o.grad_clip if o.grad_clip > 0 else math.inf)
+            opt.step()
+        state = parallel.state_bytes(model, opt)  # after the step, before zero_grad: everything resident
         opt.zero_grad(set_to_none=True)
         tokens_since += tokens_per_step
 
@@ -247,29 +264,43 @@ def run(cfg, run_dir):
                 torch.cuda.synchronize()
             dt = time.time() - t_last
             tok_s = tokens_since / dt
+            # rank 0's comm and state, and the largest over ranks (ZeroRedundancyOptimizer shards unevenly)
+            worst = torch.tensor([comm.bytes, state], dtype=torch.float64, device=device)
+            if world > 1:
+                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
             record.update(loss=loss_sum.item() / (accum * world), lr=lr, grad_norm=grad_norm.item(), tok_per_s=tok_s,
-                          step_time_s=dt * tokens_per_step / tokens_since, peak_mem_mb=peak_memory_mb(device))
+                          step_time_s=dt * tokens_per_step / tokens_since, peak_mem_mb=peak_memory_mb(device),
+                          comm_bytes=comm.bytes, state_bytes=state, comm_bytes_max=int(worst[0]),
+                          state_bytes_max=int(worst[1]))
             if peak:
                 record["mfu"] = flops_per_token * tok_s / (peak * world)
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
             t_last, tokens_since = time.time(), 0
         if step % t.eval_every == 0 or step == t.max_steps:
-            record["val_loss"] = evaluate(fwd_model, val_tokens, cfg, autocast, device, rank, world)
+            record["val_loss"] = evaluate(model, val_tokens, cfg, autocast, device, rank, world)
             bar.write(f"step {step}: val loss {record['val_loss']:.4f}") if rank == 0 else None
             t_last = time.time()  # evaluation time is not training throughput
         if len(record) > 1:
             metrics.log(record)
     bar.close()
 
-    if rank == 0 and t.checkpoint:
-        save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), model, opt, t.max_steps, cfg)
-    if rank == 0 and t.sample_tokens > 0:
+    if t.checkpoint:
+        weights = parallel.full_state_dict(model)  # gathered: a collective under sharding strategies
+        if rank == 0:
+            save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), weights, opt, t.max_steps, cfg)
+    if t.sample_tokens > 0:  # every rank samples the same way: a sharded model needs all of them to run forward
+        torch.manual_seed(t.seed)
         prompt = torch.tensor([enc.encode_ordinary(t.sample_prompt) or [prepare.tokenizer.eot_id(enc)]], device=device)
         with autocast:
-            out = model.generate(prompt, t.sample_tokens)
+            out = parallel.unwrap(model).generate(prompt, t.sample_tokens)
         print0("--- sample ---\n" + enc.decode(out[0].tolist()) + "\n--------------")
     metrics.close()
     if world > 1:
+        # torch's DDP reducer holds the process group: free it while every peer is still connected (gloo's
+        # destructor can otherwise wait forever on a peer that has already gone)
+        del model, opt
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
     return record
 

@@ -1,5 +1,151 @@
-"""Parallel strategies, one file each, applied to model.py's GPT from outside (model.py imports nothing from here).
+"""Parallel strategies, applied to model.py's GPT from outside (model.py imports nothing from here).
 
-parallel=single (conf/parallel/single.yaml) is plain single-process training: the reference that every strategy is
-checked against, numerically, in tests/.
+Each strategy has two implementations, chosen with `parallel.impl`:
+  scratch  our own, one readable file each: ddp.py (bucketed, overlapped all-reduce), zero.py (ZeRO-1 and ZeRO-2)
+  torch    PyTorch's: DistributedDataParallel; DDP + ZeroRedundancyOptimizer; FSDP2 fully_shard with
+           reshard_after_forward=False (ZeRO-2's communication pattern)
+so every strategy has a reference to be checked and timed against. parallel=single is plain one-process training,
+the reference that tests/ compares every strategy with, numerically.
+
+This file is the small surface train.py uses: apply() wraps the model and builds the optimizer; no_sync(),
+clip_grad_norm() and full_state_dict() hide which wrapper holds what; theory() and state_bytes() are the accounting.
 """
+import contextlib
+
+import torch
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from parallel.ddp import DDP
+from parallel.zero import ZeroOptimizer
+
+STRATEGIES = ("single", "ddp", "zero1", "zero2")
+IMPLS = ("scratch", "torch")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def check(p, world):
+    """The error message for parallel settings that can't work on `world` processes, or None."""
+    if p.name not in STRATEGIES:
+        return f"parallel={p.name!r}: expected one of {', '.join(STRATEGIES)}"
+    if p.name == "single":
+        return None if world == 1 else \
+            f"parallel=single runs in one process, but {world} were launched; pick a parallel strategy"
+    if world < 2:
+        return (f"parallel={p.name} needs several processes, but this is one; launch it with "
+                f"`torchrun --nproc_per_node=N train.py parallel={p.name}` (N >= 2)")
+    if p.impl not in IMPLS:
+        return f"parallel.impl={p.impl!r}: expected scratch or torch"
+    if not p.bucket_mb > 0:
+        return f"parallel.bucket_mb={p.bucket_mb} must be positive"
+    if p.reduce_dtype not in DTYPES:
+        return f"parallel.reduce_dtype={p.reduce_dtype!r}: expected float32 or bfloat16"
+    return None
+
+
+def apply(model, p, make_optimizer):
+    """Returns (model to call, optimizer) for the strategy; make_optimizer(model) builds the plain optimizer."""
+    if p.name == "single":
+        return model, make_optimizer(model)
+    reduce_dtype = DTYPES[p.reduce_dtype]
+    if p.impl == "scratch":
+        if p.name == "ddp":
+            return DDP(model, p.bucket_mb, reduce_dtype), make_optimizer(model)
+        return model, ZeroOptimizer(model, make_optimizer, int(p.name[-1]), p.bucket_mb, reduce_dtype)
+    if p.name == "zero2":  # FSDP2 that keeps parameters gathered from forward to backward: ZeRO-2's traffic
+        mp = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+        for block in model.blocks:
+            fully_shard(block, reshard_after_forward=False, mp_policy=mp)
+        fully_shard(model, reshard_after_forward=False, mp_policy=mp)
+        return model, make_optimizer(model)
+    # forward_sync_buffers=False: the only buffers are RoPE tables, equal everywhere; broadcasting them each forward
+    # would add traffic that says nothing about the strategy
+    ddp = DistributedDataParallel(model, bucket_cap_mb=p.bucket_mb, gradient_as_bucket_view=True,
+                                  forward_sync_buffers=False)
+    if reduce_dtype == torch.bfloat16:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+        ddp.register_comm_hook(None, bf16_compress_hook)
+    if p.name == "ddp":
+        return ddp, make_optimizer(model)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    template = make_optimizer(model)
+    return ddp, ZeroRedundancyOptimizer(template.param_groups, optimizer_class=type(template))
+
+
+def unwrap(model):
+    return model.module if isinstance(model, (DDP, DistributedDataParallel)) else model
+
+
+def no_sync(model, opt):
+    """Context for a non-final micro-step of gradient accumulation: no gradient communication."""
+    for owner in (opt, model):
+        if hasattr(owner, "no_sync"):
+            return owner.no_sync()
+    if isinstance(model, FSDPModule):
+        return _fsdp_no_sync(model)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model):
+    # keep gradients local and the parameters gathered between micro-steps: without the second switch FSDP2
+    # reshards after every backward and all-gathers again in the next forward, one extra Psi per micro-step
+    model.set_requires_gradient_sync(False)
+    model.set_reshard_after_backward(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+        model.set_reshard_after_backward(True)
+
+
+def reshard(model):
+    """Free the parameters a forward without backward left gathered (FSDP2 with reshard_after_forward=False)."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def clip_grad_norm(model, opt, max_norm):
+    """Clip to max_norm (inf: don't) and return the global gradient norm, wherever the gradients live."""
+    if hasattr(opt, "clip_grad_norm_"):
+        return opt.clip_grad_norm_(max_norm)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def full_state_dict(model):
+    """The whole model's weights as plain CPU tensors. A collective under FSDP: every rank must call it."""
+    model = unwrap(model)
+    if isinstance(model, FSDPModule):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        sd = model.state_dict()
+    return {k: v.detach().cpu().clone() for k, v in sd.items()}  # clone: views would save whole flat buffers
+
+
+def state_bytes(model, opt):
+    """Model state resident on this rank: parameters, gradients and optimizer state, in bytes, padding included.
+
+    Counted by storage, so a flat buffer that many views share counts once, and so does its padding."""
+    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps its shard's optimizer in .optim
+    tensors = []
+    for p in list(model.parameters()) + [p for g in inner.param_groups for p in g["params"]]:
+        tensors += [p, p.grad]
+    tensors += [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    storages = {}
+    for t in tensors:
+        if t is not None:
+            st = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+    return sum(storages.values())
+
+
+def theory(name, n_params, world, reduce_bytes=4):
+    """(comm bytes per step, model-state bytes per rank) that the ZeRO paper predicts for fp32 Adam."""
+    P, N = n_params, world
+    comm = {"single": 0, "ddp": 2, "zero1": 2, "zero2": 2}[name] * P * reduce_bytes
+    state = {"single": 16 * P, "ddp": 16 * P, "zero1": 8 * P + 8 * P / N, "zero2": 4 * P + 12 * P / N}[name]
+    return comm, state

@@ -78,3 +78,15 @@ def read_wandb_history(run_dir):
                 rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                              for item in rec.history.item})
     return rows
+
+
+def torchrun(nproc, run_dir, *overrides, timeout=240):
+    """Run train.py on nproc local ranks (gloo) through torchrun; returns the CompletedProcess."""
+    import subprocess
+    import sys
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           os.path.join(ROOT, "train.py"), *overrides, f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    return p

@@ -1,0 +1,103 @@
+"""Benchmark every data-parallel strategy, ours beside torch's, in one run: throughput, memory and communication.
+
+    python -m parallel.bench                          # world size 2, gpt_tiny on the default corpus, 2 rounds
+    python -m parallel.bench --world 4 --rounds 3 -- model=gpt_125m train.seq_len=512
+
+Each configuration is a real `torchrun train.py` job (gloo on CPU, nccl on GPU). Rounds interleave all
+configurations, so slow spells of a noisy machine hit every competitor alike; a configuration's tokens/s is the
+median over its rounds of each job's median step. Printed as a markdown table and written as markdown and CSV
+into a new folder under --out, with the ratio of each scratch implementation's tokens/s to torch's, and of the
+measured bytes to the ZeRO paper's.
+"""
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import parallel
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = [("single", None)] + [(s, i) for s in ("ddp", "zero1", "zero2") for i in ("scratch", "torch")]
+DEFAULTS = ["train.global_batch_size=32", "train.micro_batch_size=8", "train.max_steps=30", "train.log_every=5",
+            "train.eval_every=1000", "train.eval_steps=1", "train.sample_tokens=0", "train.checkpoint=false",
+            "logger.mode=disabled"]
+
+
+def run_one(strategy, impl, world, overrides, run_dir):
+    args = [*DEFAULTS, *overrides, f"parallel={strategy}", f"hydra.run.dir={run_dir}"]
+    if impl:
+        args.append(f"parallel.impl={impl}")
+    n = 1 if strategy == "single" else world
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+           os.path.join(ROOT, "train.py"), *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if p.returncode:
+        sys.exit(f"error: {strategy}/{impl} failed:\n{p.stderr[-3000:]}")
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    steps = [r for r in records if "tok_per_s" in r][1:]  # the first window includes warm-up
+    return records[0], statistics.median(r["tok_per_s"] for r in steps), steps[-1]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", type=int, default=2, help="ranks per multi-rank job (default 2)")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of every configuration")
+    ap.add_argument("--out", default=os.path.join(ROOT, "outputs", "bench"), help="results go in a new folder here")
+    ap.add_argument("overrides", nargs="*", help="train.py overrides for every job, e.g. model=gpt_125m")
+    a = ap.parse_args()
+    if a.world < 2 or a.rounds < 1:
+        sys.exit("error: --world must be at least 2 and --rounds at least 1")
+    out = os.path.join(a.out, time.strftime("%Y-%m-%d_%H-%M-%S"))
+    os.makedirs(out)  # a new folder: never overwrites an earlier benchmark
+
+    results = {c: [] for c in CONFIGS}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(a.rounds):
+            for k, (strategy, impl) in enumerate(CONFIGS):
+                t0 = time.time()
+                start, tok_s, last = run_one(strategy, impl, a.world, a.overrides, os.path.join(tmp, f"{r}-{k}"))
+                results[(strategy, impl)].append((start, tok_s, last))
+                print(f"[round {r + 1}/{a.rounds}] {strategy:6s} {impl or '':7s} {tok_s:10,.0f} tok/s "
+                      f"({time.time() - t0:.0f}s)", flush=True)
+
+    rows = []
+    for (strategy, impl), runs in results.items():
+        start, _, last = runs[-1]
+        tok_s = statistics.median(t for _, t, _ in runs)
+        world = start["world_size"]
+        comm_theory, state_theory = parallel.theory(strategy, start["n_params"], world, start["param_bytes"] //
+                                                    start["n_params"])
+        torch_tok_s = statistics.median(t for _, t, _ in results[(strategy, "torch")]) if impl == "scratch" else None
+        rows.append({
+            "strategy": strategy, "impl": impl or "-", "world": world, "tok_per_s": round(tok_s),
+            "vs_torch": f"{tok_s / torch_tok_s:.2f}" if torch_tok_s else "",
+            "state_MiB_per_rank": f"{last['state_bytes_max'] / 2**20:.2f}",
+            "state_vs_theory": f"{last['state_bytes_max'] / state_theory:.3f}",
+            "comm_MiB_per_step": f"{last['comm_bytes'] / 2**20:.2f}",
+            "comm_in_psi": f"{last['comm_bytes'] / start['param_bytes']:.3f}",
+            "comm_vs_theory": f"{last['comm_bytes'] / comm_theory:.3f}" if comm_theory else "",
+        })
+    head = list(rows[0])
+    table = "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] +
+                      ["| " + " | ".join(str(r[h]) for h in head) + " |" for r in rows])
+    P = results[CONFIGS[0]][0][0]["n_params"]
+    note = (f"{P:,} parameters; theory (ZeRO paper, fp32 Adam): comm 2 Psi for ddp/zero1/zero2, state 16P, "
+            f"8P+8P/N, 4P+12P/N. Overrides: {' '.join(a.overrides) or '(none)'}; {a.rounds} round(s).")
+    print("\n" + table + "\n\n" + note)
+    with open(os.path.join(out, "bench.md"), "w") as f:
+        f.write(table + "\n\n" + note + "\n")
+    with open(os.path.join(out, "bench.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=head)
+        w.writeheader()
+        w.writerows(rows)
+    print(f"\nwritten: {out}/bench.md, bench.csv")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Gradient buckets and the hooks that say when one is ready: the machinery DDP and ZeRO share.
+
+Backward produces gradients roughly in the reverse of the order parameters were registered (the head's first, the
+embedding's last), so parameters are packed into buckets in that reverse order. A bucket is "ready" when every one
+of its parameters has had its gradient accumulated in the current backward (`register_post_accumulate_grad_hook`),
+and that is when its collective can start while autograd goes on computing earlier layers' gradients. A callback
+queued on the autograd engine runs once backward has finished: the strategy waits for its collectives there.
+Communicating one bucket of ~25 MB instead of each tensor amortizes each collective's latency (Li et al., 2020,
+"PyTorch Distributed", sec. 3.2.3).
+"""
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(eq=False)  # identity, not field-by-field (fields hold tensors)
+class Bucket:
+    params: list
+    offsets: list  # where each parameter starts in the bucket's flat buffer
+    numel: int  # padded to a multiple of `pad`, so the buffer splits evenly across ranks
+    ready: int = 0
+    state: dict = field(default_factory=dict)  # the strategy's own: buffers, pending work
+
+
+def pack(params, bucket_mb, pad=1):
+    """Split params (reverse registration order) into buckets of at least bucket_mb, the last one smaller."""
+    buckets, current, size = [], [], 0
+    for p in reversed(list(params)):
+        current.append(p)
+        size += p.numel() * p.element_size()
+        if size >= bucket_mb * 2**20:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    out = []
+    for ps in buckets:
+        offsets, n = [], 0
+        for p in ps:
+            offsets.append(n)
+            n += p.numel()
+        out.append(Bucket(ps, offsets, (n + pad - 1) // pad * pad))
+    return out
+
+
+class ReadyHooks:
+    """Call on_ready(bucket) as each bucket's last gradient is accumulated, and on_done() when backward ends.
+
+    Inside `no_sync()` nothing is called: gradients just accumulate locally (non-final micro-steps)."""
+
+    def __init__(self, buckets, on_ready, on_done):
+        self.buckets, self.on_ready, self.on_done = buckets, on_ready, on_done
+        self.sync, self.queued = True, False
+        self.bucket_of = {}
+        for b in buckets:
+            for p in b.params:
+                self.bucket_of[p] = b
+                p.register_post_accumulate_grad_hook(self._hook)
+
+    def _hook(self, p):
+        if not self.sync:
+            return
+        if not self.queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self.queued = True
+        b = self.bucket_of[p]
+        b.ready += 1
+        if b.ready == len(b.params):
+            self.on_ready(b)
+
+    def _end_of_backward(self):
+        self.queued = False
+        missing = [i for i, b in enumerate(self.buckets) if b.ready != len(b.params)]
+        if missing:
+            raise RuntimeError(f"buckets {missing} did not receive every gradient in this backward; every parameter "
+                               "must take part in the loss (unused parameters are not supported)")
+        for b in self.buckets:
+            b.ready = 0
+        self.on_done()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.sync = False
+        try:
+            yield
+        finally:
+            self.sync = True
