@@ -75,15 +75,19 @@ def test_equal_to_single_and_to_theory(single, tmp_path, strategy, impl, world):
           f"state {steps[-1]['state_bytes_max'] / P:.2f} bytes/param")
 
 
-def test_bf16_reduction(single, tmp_path):
-    """Gradients communicated in bfloat16: half the bytes, and the loss still tracks float32 closely."""
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_bf16_reduction(single, tmp_path, strategy):
+    """Gradients communicated in bfloat16: half the gradient bytes, and the loss still tracks float32 closely.
+    ZeRO's all-gather moves parameters, which stay float32: 2P (bf16 reduce-scatter) + 4P bytes."""
     run_dir = str(tmp_path / "run")
-    torchrun(2, run_dir, *small_run(*RUN, "parallel=zero2", "parallel.reduce_dtype=bfloat16"))
+    torchrun(2, run_dir, *small_run(*RUN, f"parallel={strategy}", "parallel.reduce_dtype=bfloat16"))
     records = read_metrics(run_dir)
-    assert records[0]["param_bytes"] == 2 * records[0]["n_params"]
+    P = records[0]["n_params"]
+    assert records[0]["param_bytes"] == 2 * P
+    expected = 2 * (2 * P) if strategy == "ddp" else 2 * P + 4 * P
     for r in records:
         if "comm_bytes" in r:
-            assert r["comm_bytes"] == pytest.approx(2 * records[0]["param_bytes"], rel=0.02)
+            assert r["comm_bytes"] == pytest.approx(expected, rel=0.02)
     torch.testing.assert_close(losses(run_dir), losses(single), rtol=2e-3, atol=0)
 
 
@@ -168,3 +172,33 @@ def test_bad_parallel_settings(tmp_path, overrides, world, message):
         train.check_config(make_cfg(*small_run(*overrides)), str(tmp_path / "run"), world)
     assert message in str(err.value)
     assert not (tmp_path / "run").exists()
+
+
+def _count_worker(rank, world, init_file, errors):
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        from parallel.comm import CommCounter
+        t = torch.ones(1000)  # 4000 bytes
+        with CommCounter() as c:
+            dist.all_reduce(t)
+            dist.reduce_scatter_tensor(torch.empty(500), torch.ones(1000))
+            dist.all_gather_into_tensor(torch.empty(1000), torch.ones(500))
+            dist.broadcast(t, src=0)
+            dist.barrier()
+        assert dict(c.by_kind) == {"all_reduce": 8000, "reduce_scatter": 4000, "all_gather": 4000,
+                                   "broadcast": 4000}, c.by_kind
+        assert c.bytes == 20000 and sum(c.calls.values()) == 4
+        assert torch.equal(t, torch.full((1000,), 2.0))  # the counted collectives really ran
+        dist.destroy_process_group()
+    except Exception as e:
+        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
+        raise
+
+
+def test_comm_counter_volume_rules():
+    """all-reduce counts 2x its tensor, reduce-scatter its input, all-gather its output, broadcast its tensor."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(_count_worker, args=(2, os.path.join(d, "init"), errors), nprocs=2, start_method="spawn")
+    assert errors.empty(), errors.get()
