@@ -113,16 +113,26 @@ class GPT(nn.Module):
     def init_weights(self):
         """Fill every parameter and buffer. Std 0.02 (GPT-2); the two projections that write into the
         residual stream get 0.02/sqrt(2 * n_layer) so its variance does not grow with depth (GPT-2 paper)."""
+        self.init_buffers()
+        for name, p in self.named_parameters():
+            self.init_param(name, p)
+
+    @torch.no_grad()
+    def init_buffers(self):
         cos, sin = rope_tables(self.cfg, device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
-        for name, p in self.named_parameters():
-            if "norm" in name:
-                nn.init.ones_(p)
-            elif name.endswith(("proj.weight", "down.weight")):
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.cfg.n_layer))
-            else:
-                nn.init.normal_(p, std=0.02)
+
+    @torch.no_grad()
+    def init_param(self, name, p):
+        """One parameter's init, by name. Drawing from the global RNG in named_parameters() order gives the same
+        values whether the model is initialized whole or one piece at a time (sharded meta-device init)."""
+        if "norm" in name:
+            nn.init.ones_(p)
+        elif name.endswith(("proj.weight", "down.weight")):
+            nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.cfg.n_layer))
+        else:
+            nn.init.normal_(p, std=0.02)
 
     def forward(self, idx, targets=None):
         x = self.wte(idx)

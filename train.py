@@ -45,7 +45,7 @@ def check_config(cfg, run_dir, world):
     if taken:
         raise ConfigError(f"run dir {run_dir} already holds a run ({', '.join(taken)}); "
                           f"choose another with hydra.run.dir=... or move it away")
-    problem = parallel.check(cfg.parallel, world)
+    problem = parallel.check(cfg.parallel, world, cfg.model.n_layer, cpu_bf16=bf16_supported("cpu"))
     if problem:
         raise ConfigError(problem)
     if t.device not in ("auto", "cpu", "cuda"):
@@ -66,12 +66,17 @@ def check_config(cfg, run_dir, world):
     if t.global_batch_size % (t.micro_batch_size * dp_world):
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size "
                           f"({t.micro_batch_size}) x data-parallel ranks ({dp_world})")
+    if t.activation_checkpointing not in ("none", "full", "every_n") or t.ac_every < 1:
+        raise ConfigError(f"train.activation_checkpointing={t.activation_checkpointing!r} (ac_every={t.ac_every}): "
+                          f"expected none, full or every_n with ac_every >= 1")
     if t.seq_len > cfg.model.block_size:
         raise ConfigError(f"train.seq_len={t.seq_len} is longer than the model's context "
                           f"(model.block_size={cfg.model.block_size})")
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < prepare.vocab_size(d):
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                           f"({prepare.vocab_size(d)}); leave it null to follow the tokenizer")
+    if cfg.optim.name not in ("adamw", "sgd"):
+        raise ConfigError(f"optim.name={cfg.optim.name!r}: expected adamw or sgd")
     if cfg.logger.mode not in ("offline", "online", "disabled"):
         raise ConfigError(f"logger.mode={cfg.logger.mode!r}: expected offline, online or disabled")
     if not 0 < d.val_fraction < 1:
@@ -108,11 +113,13 @@ def make_optimizer(model, o):
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    if o.name == "sgd":
+        return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum)
     return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
 
 
 @torch.no_grad()
-def evaluate(model, val, cfg, autocast, device, rank, world):
+def evaluate(model, opt, val, cfg, autocast, device, rank, world):
     """Mean loss over eval_steps fixed val batches (the same ones at every evaluation), averaged over ranks."""
     model.eval()
     t = cfg.train
@@ -123,7 +130,7 @@ def evaluate(model, val, cfg, autocast, device, rank, world):
             total += model(x.to(device), y.to(device)).float()
     if world > 1:
         dist.all_reduce(total)
-    parallel.reshard(model)  # a forward without backward may leave sharded parameters gathered
+    parallel.reshard(model, opt)  # a forward without backward may leave sharded parameters gathered
     model.train()
     return total.item() / (t.eval_steps * world)
 
@@ -202,15 +209,15 @@ def run(cfg, run_dir):
     # --- model: built on the meta device and materialized in place, so no full copy is ever made elsewhere
     mcfg = GPTConfig(vocab_size=cfg.model.vocab_size or meta["vocab_size"], block_size=cfg.model.block_size,
                      n_layer=cfg.model.n_layer, n_head=cfg.model.n_head, n_embd=cfg.model.n_embd)
+    mem_before_model = peak_memory_mb(device)  # what the process holds before any model state exists
     with torch.device("meta"):
         model = GPT(mcfg)
-    model.to_empty(device=device)
-    torch.manual_seed(t.seed)
-    model.init_weights()
     n_params, flops_per_token = model.num_params(), model.flops_per_token(t.seq_len)
+    torch.manual_seed(t.seed)
+    model, opt = parallel.apply(model, cfg.parallel, lambda m: make_optimizer(m, o), device)
+    parallel.apply_activation_checkpointing(model, t.activation_checkpointing, t.ac_every)
     if t.compile:
         model.compile()  # in place, so the strategies' hooks and wrappers see the same module
-    model, opt = parallel.apply(model, cfg.parallel, lambda m: make_optimizer(m, o))
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if dtype == "bfloat16" \
         else contextlib.nullcontext()
     peak = next((v for k, v in PEAK_FLOPS.items() if device.startswith("cuda") and k in torch.cuda.get_device_name()),
@@ -221,14 +228,14 @@ def run(cfg, run_dir):
     reduce_bytes = parallel.DTYPES[cfg.parallel.get("reduce_dtype", "float32")].itemsize
     metrics.log({"step": 0, "n_params": n_params, "param_bytes": n_params * reduce_bytes, "world_size": world,
                  "flops_per_token": flops_per_token, "tokens_per_step": tokens_per_step, "grad_accum": accum,
-                 "device": device, "dtype": dtype, "parallel": cfg.parallel.name,
+                 "device": device, "dtype": dtype, "parallel": cfg.parallel.name, "mem_mb_before_model": mem_before_model,
                  "impl": cfg.parallel.get("impl", "scratch")})
     print0(f"model: {n_params / 1e6:.2f}M parameters, vocab {mcfg.vocab_size} (padded {mcfg.padded_vocab_size}) | "
            f"data: {len(train_tokens):,} train / {len(val_tokens):,} val tokens | {device} {dtype} | "
            f"{world} rank(s) {cfg.parallel.name}, grad accumulation {accum} | run dir {run_dir}")
 
     # --- the loop. `step` counts finished optimizer steps; evaluation runs at 0, every eval_every, and at the end.
-    record = {"step": 0, "val_loss": evaluate(model, val_tokens, cfg, autocast, device, rank, world)}
+    record = {"step": 0, "val_loss": evaluate(model, opt, val_tokens, cfg, autocast, device, rank, world)}
     metrics.log(record)
     print0(f"step 0: val loss {record['val_loss']:.4f}")
     bar = tqdm(range(1, t.max_steps + 1), disable=rank != 0, desc="train", dynamic_ncols=True, file=sys.stdout,
@@ -277,7 +284,7 @@ def run(cfg, run_dir):
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
             t_last, tokens_since = time.time(), 0
         if step % t.eval_every == 0 or step == t.max_steps:
-            record["val_loss"] = evaluate(model, val_tokens, cfg, autocast, device, rank, world)
+            record["val_loss"] = evaluate(model, opt, val_tokens, cfg, autocast, device, rank, world)
             bar.write(f"step {step}: val loss {record['val_loss']:.4f}") if rank == 0 else None
             t_last = time.time()  # evaluation time is not training throughput
         if len(record) > 1:
@@ -285,7 +292,7 @@ def run(cfg, run_dir):
     bar.close()
 
     if t.checkpoint:
-        weights = parallel.full_state_dict(model)  # gathered: a collective under sharding strategies
+        weights = parallel.full_state_dict(model, opt)  # gathered: a collective under sharding strategies
         if rank == 0:
             save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), weights, opt, t.max_steps, cfg)
     if t.sample_tokens > 0:  # every rank samples the same way: a sharded model needs all of them to run forward

@@ -13,19 +13,20 @@ clip_grad_norm() and full_state_dict() hide which wrapper holds what; theory() a
 import contextlib
 
 import torch
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from parallel.ddp import DDP
+from parallel.fsdp import FSDP, units_of
 from parallel.zero import ZeroOptimizer
 
-STRATEGIES = ("single", "ddp", "zero1", "zero2")
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp")
 IMPLS = ("scratch", "torch")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def check(p, world):
+def check(p, world, n_layer, cpu_bf16=True):
     """The error message for parallel settings that can't work on `world` processes, or None."""
     if p.name not in STRATEGIES:
         return f"parallel={p.name!r}: expected one of {', '.join(STRATEGIES)}"
@@ -37,18 +38,47 @@ def check(p, world):
                 f"`torchrun --nproc_per_node=N train.py parallel={p.name}` (N >= 2)")
     if p.impl not in IMPLS:
         return f"parallel.impl={p.impl!r}: expected scratch or torch"
-    if not p.bucket_mb > 0:
+    if "bucket_mb" in p and not p.bucket_mb > 0:
         return f"parallel.bucket_mb={p.bucket_mb} must be positive"
-    if p.reduce_dtype not in DTYPES:
-        return f"parallel.reduce_dtype={p.reduce_dtype!r}: expected float32 or bfloat16"
+    for key in ("reduce_dtype", "param_dtype"):
+        if key in p and p[key] not in DTYPES:
+            return f"parallel.{key}={p[key]!r}: expected float32 or bfloat16"
+    if p.name == "fsdp":
+        k = p.blocks_per_unit
+        if not (isinstance(k, int) and 1 <= k <= n_layer and n_layer % k == 0):
+            return (f"parallel.blocks_per_unit={k} can't split the model's {n_layer} blocks into equal units; "
+                    f"use a divisor of {n_layer}")
+        n_units = n_layer // k + 2  # + the embedding and the norm + head
+        if not 0 <= p.prefetch < n_units:
+            return (f"parallel.prefetch={p.prefetch}: there are {n_units} units, so at most {n_units - 1} can be "
+                    f"gathered ahead of the current one")
+        if p.cpu_offload and p.param_dtype == "bfloat16" and not cpu_bf16:
+            return ("parallel.cpu_offload=true casts the CPU-held shards to param_dtype=bfloat16 on the CPU, which "
+                    "this CPU can't do; use parallel.param_dtype=float32")
     return None
 
 
-def apply(model, p, make_optimizer):
-    """Returns (model to call, optimizer) for the strategy; make_optimizer(model) builds the plain optimizer."""
+def apply(model, p, make_optimizer, device):
+    """Materialize the model (built on the meta device) on `device` and apply the strategy; returns (model to call,
+    optimizer). make_optimizer(model) builds the plain optimizer. The global RNG must be seeded: every strategy
+    draws the same initial weights as parallel=single."""
+    if p.name == "fsdp" and p.impl == "scratch":  # materializes only this rank's shards
+        return model, FSDP(model, make_optimizer, device, p.blocks_per_unit, p.reshard_after_forward, p.prefetch,
+                           DTYPES[p.param_dtype], DTYPES[p.reduce_dtype], p.cpu_offload)
+    model.to_empty(device=device)
+    model.init_weights()
     if p.name == "single":
         return model, make_optimizer(model)
     reduce_dtype = DTYPES[p.reduce_dtype]
+    if p.name == "fsdp":  # torch's FSDP2, unit for unit like ours
+        mp = MixedPrecisionPolicy(param_dtype=DTYPES[p.param_dtype], reduce_dtype=reduce_dtype)
+        kw = dict(reshard_after_forward=p.reshard_after_forward, mp_policy=mp,
+                  offload_policy=CPUOffloadPolicy(pin_memory=str(device) != "cpu") if p.cpu_offload
+                  else OffloadPolicy())  # pinned memory needs an accelerator
+        for _, modules in units_of(model, p.blocks_per_unit)[1:-1]:
+            fully_shard(modules, **kw)
+        fully_shard(model, **kw)  # the root: embedding, final norm and head
+        return model, make_optimizer(model)
     if p.impl == "scratch":
         if p.name == "ddp":
             return DDP(model, p.bucket_mb, reduce_dtype), make_optimizer(model)
@@ -71,6 +101,20 @@ def apply(model, p, make_optimizer):
     from torch.distributed.optim import ZeroRedundancyOptimizer
     template = make_optimizer(model)
     return ddp, ZeroRedundancyOptimizer(template.param_groups, optimizer_class=type(template))
+
+
+def apply_activation_checkpointing(model, mode, every=1):
+    """Recompute blocks' activations in backward instead of storing them (torch.utils.checkpoint, non-reentrant):
+    mode full = every block, every_n = every `every`-th block, none = off. Each checkpointed block keeps only its
+    input for backward; the cost is one more forward of it."""
+    from torch.utils.checkpoint import checkpoint
+    if mode == "none":
+        return model
+    for i, block in enumerate(unwrap(model).blocks):
+        if mode == "full" or i % every == 0:
+            # patch the instance's forward, not __call__: module hooks (FSDP's gathers) still run around it
+            block.forward = (lambda fwd: lambda *a: checkpoint(fwd, *a, use_reentrant=False))(block.forward)
+    return model
 
 
 def unwrap(model):
@@ -100,8 +144,10 @@ def _fsdp_no_sync(model):
         model.set_reshard_after_backward(True)
 
 
-def reshard(model):
-    """Free the parameters a forward without backward left gathered (FSDP2 with reshard_after_forward=False)."""
+def reshard(model, opt):
+    """Free the parameters a forward without backward left gathered (FSDP with reshard_after_forward=False)."""
+    if isinstance(opt, FSDP):
+        opt.reshard()
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
@@ -115,8 +161,10 @@ def clip_grad_norm(model, opt, max_norm):
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
-def full_state_dict(model):
+def full_state_dict(model, opt):
     """The whole model's weights as plain CPU tensors. A collective under FSDP: every rank must call it."""
+    if isinstance(opt, FSDP):
+        return opt.full_state_dict(model)
     model = unwrap(model)
     if isinstance(model, FSDPModule):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -146,6 +194,7 @@ def state_bytes(model, opt):
 def theory(name, n_params, world, reduce_bytes=4):
     """(comm bytes per step, model-state bytes per rank) that the ZeRO paper predicts for fp32 Adam."""
     P, N = n_params, world
-    comm = {"single": 0, "ddp": 2, "zero1": 2, "zero2": 2}[name] * P * reduce_bytes
-    state = {"single": 16 * P, "ddp": 16 * P, "zero1": 8 * P + 8 * P / N, "zero2": 4 * P + 12 * P / N}[name]
+    comm = {"single": 0, "ddp": 2, "zero1": 2, "zero2": 2, "fsdp": 3}[name] * P * reduce_bytes
+    state = {"single": 16 * P, "ddp": 16 * P, "zero1": 8 * P + 8 * P / N, "zero2": 4 * P + 12 * P / N,
+             "fsdp": 16 * P / N}[name]
     return comm, state

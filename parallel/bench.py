@@ -1,4 +1,5 @@
-"""Benchmark every data-parallel strategy, ours beside torch's, in one run: throughput, memory and communication.
+"""Benchmark every data-parallel strategy, ours beside torch's, in one run: throughput, memory and communication,
+and then FSDP's knobs (prefetch, reshard_after_forward, wrap granularity, activation checkpointing).
 
     python -m parallel.bench                          # world size 2, gpt_tiny on the default corpus, 2 rounds
     python -m parallel.bench --world 4 --rounds 3 -- model=gpt_125m train.seq_len=512
@@ -22,14 +23,18 @@ import time
 import parallel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = [("single", None)] + [(s, i) for s in ("ddp", "zero1", "zero2") for i in ("scratch", "torch")]
-DEFAULTS = ["train.global_batch_size=32", "train.micro_batch_size=8", "train.max_steps=30", "train.log_every=5",
+CONFIGS = [("single", None)] + [(s, i) for s in ("ddp", "zero1", "zero2", "fsdp") for i in ("scratch", "torch")]
+# (label, overrides) for our FSDP, each against the default fsdp row above
+KNOBS = [("prefetch=0", ["parallel.prefetch=0"]), ("reshard_after_forward=false", ["parallel.reshard_after_forward=false"]),
+         ("blocks_per_unit=2", ["parallel.blocks_per_unit=2"]), ("activation_checkpointing=full",
+                                                                  ["train.activation_checkpointing=full"])]
+DEFAULTS = ["train.global_batch_size=32", "train.micro_batch_size=8", "train.max_steps=25", "train.log_every=5",
             "train.eval_every=1000", "train.eval_steps=1", "train.sample_tokens=0", "train.checkpoint=false",
             "logger.mode=disabled"]
 
 
 def run_one(strategy, impl, world, overrides, run_dir):
-    args = [*DEFAULTS, *overrides, f"parallel={strategy}", f"hydra.run.dir={run_dir}"]
+    args = [*DEFAULTS, f"parallel={strategy}", *overrides, f"hydra.run.dir={run_dir}"]
     if impl:
         args.append(f"parallel.impl={impl}")
     n = 1 if strategy == "single" else world
@@ -56,47 +61,69 @@ def main():
     out = os.path.join(a.out, time.strftime("%Y-%m-%d_%H-%M-%S"))
     os.makedirs(out)  # a new folder: never overwrites an earlier benchmark
 
-    results = {c: [] for c in CONFIGS}
+    jobs = [(s, i, []) for s, i in CONFIGS] + [("fsdp", "scratch", o) for _, o in KNOBS]
+    results = {k: [] for k in range(len(jobs))}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):
-            for k, (strategy, impl) in enumerate(CONFIGS):
+            for k, (strategy, impl, knob) in enumerate(jobs):
                 t0 = time.time()
-                start, tok_s, last = run_one(strategy, impl, a.world, a.overrides, os.path.join(tmp, f"{r}-{k}"))
-                results[(strategy, impl)].append((start, tok_s, last))
-                print(f"[round {r + 1}/{a.rounds}] {strategy:6s} {impl or '':7s} {tok_s:10,.0f} tok/s "
-                      f"({time.time() - t0:.0f}s)", flush=True)
+                start, tok_s, last = run_one(strategy, impl, a.world, [*a.overrides, *knob],
+                                             os.path.join(tmp, f"{r}-{k}"))
+                results[k].append((start, tok_s, last))
+                print(f"[round {r + 1}/{a.rounds}] {strategy:6s} {impl or '':7s} {' '.join(knob):38s} "
+                      f"{tok_s:10,.0f} tok/s ({time.time() - t0:.0f}s)", flush=True)
+
+    def tok_s(k):
+        return statistics.median(t for _, t, _ in results[k])
+
+    def peak_mib(k):  # rank 0's peak memory above what it held before the model existed
+        start, _, last = results[k][-1]
+        return last["peak_mem_mb"] - start["mem_mb_before_model"]
 
     rows = []
-    for (strategy, impl), runs in results.items():
-        start, _, last = runs[-1]
-        tok_s = statistics.median(t for _, t, _ in runs)
+    for k, (strategy, impl) in enumerate(CONFIGS):
+        start, _, last = results[k][-1]
         world = start["world_size"]
         comm_theory, state_theory = parallel.theory(strategy, start["n_params"], world, start["param_bytes"] //
                                                     start["n_params"])
-        torch_tok_s = statistics.median(t for _, t, _ in results[(strategy, "torch")]) if impl == "scratch" else None
+        torch_tok_s = tok_s(CONFIGS.index((strategy, "torch"))) if impl == "scratch" else None
         rows.append({
-            "strategy": strategy, "impl": impl or "-", "world": world, "tok_per_s": round(tok_s),
-            "vs_torch": f"{tok_s / torch_tok_s:.2f}" if torch_tok_s else "",
+            "strategy": strategy, "impl": impl or "-", "world": world, "tok_per_s": round(tok_s(k)),
+            "vs_torch": f"{tok_s(k) / torch_tok_s:.2f}" if torch_tok_s else "",
+            "peak_MiB": f"{peak_mib(k):.0f}",
             "state_MiB_per_rank": f"{last['state_bytes_max'] / 2**20:.2f}",
             "state_vs_theory": f"{last['state_bytes_max'] / state_theory:.3f}",
             "comm_MiB_per_step": f"{last['comm_bytes'] / 2**20:.2f}",
             "comm_in_psi": f"{last['comm_bytes'] / start['param_bytes']:.3f}",
             "comm_vs_theory": f"{last['comm_bytes'] / comm_theory:.3f}" if comm_theory else "",
         })
-    head = list(rows[0])
-    table = "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] +
-                      ["| " + " | ".join(str(r[h]) for h in head) + " |" for r in rows])
-    P = results[CONFIGS[0]][0][0]["n_params"]
-    note = (f"{P:,} parameters; theory (ZeRO paper, fp32 Adam): comm 2 Psi for ddp/zero1/zero2, state 16P, "
-            f"8P+8P/N, 4P+12P/N. Overrides: {' '.join(a.overrides) or '(none)'}; {a.rounds} round(s).")
-    print("\n" + table + "\n\n" + note)
+    base = CONFIGS.index(("fsdp", "scratch"))
+    knob_jobs = [("default", base)] + [(label, len(CONFIGS) + i) for i, (label, _) in enumerate(KNOBS)]
+    knob_rows = [{"fsdp (scratch) knob": label, "tok_per_s": round(tok_s(k)),
+                  "vs_default": f"{tok_s(k) / tok_s(base):.2f}", "peak_MiB": f"{peak_mib(k):.0f}",
+                  "comm_in_psi": f"{results[k][-1][2]['comm_bytes'] / results[k][-1][0]['param_bytes']:.3f}"}
+                 for label, k in knob_jobs]
+    P = results[0][0][0]["n_params"]
+    note = (f"{P:,} parameters; theory (ZeRO paper, fp32 Adam): comm 2 Psi for ddp/zero1/zero2, 3 Psi for fsdp "
+            f"(per micro-step: (2 x accumulation + 1) Psi); state 16P, 8P+8P/N, 4P+12P/N, 16P/N. peak_MiB: rank 0's "
+            f"peak RSS above what it held before the model was built. Overrides: {' '.join(a.overrides) or '(none)'}; "
+            f"{a.rounds} round(s).")
+    text = markdown(rows) + "\n\n" + markdown(knob_rows) + "\n\n" + note
+    print("\n" + text)
     with open(os.path.join(out, "bench.md"), "w") as f:
-        f.write(table + "\n\n" + note + "\n")
-    with open(os.path.join(out, "bench.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=head)
-        w.writeheader()
-        w.writerows(rows)
-    print(f"\nwritten: {out}/bench.md, bench.csv")
+        f.write(text + "\n")
+    for name, table in (("bench.csv", rows), ("bench_knobs.csv", knob_rows)):
+        with open(os.path.join(out, name), "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(table[0]))
+            w.writeheader()
+            w.writerows(table)
+    print(f"\nwritten: {out}/bench.md, bench.csv, bench_knobs.csv")
+
+
+def markdown(rows):
+    head = list(rows[0])
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] +
+                     ["| " + " | ".join(str(r[h]) for h in head) + " |" for r in rows])
 
 
 if __name__ == "__main__":

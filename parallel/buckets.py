@@ -47,10 +47,11 @@ def pack(params, bucket_mb, pad=1):
 class ReadyHooks:
     """Call on_ready(bucket) as each bucket's last gradient is accumulated, and on_done() when backward ends.
 
-    Inside `no_sync()` nothing is called: gradients just accumulate locally (non-final micro-steps)."""
+    Inside `no_sync()` nothing is called: gradients just accumulate locally (non-final micro-steps), unless
+    `always` is set: then the callbacks run anyway and read `self.sync` themselves (FSDP frees parameters either way)."""
 
-    def __init__(self, buckets, on_ready, on_done):
-        self.buckets, self.on_ready, self.on_done = buckets, on_ready, on_done
+    def __init__(self, buckets, on_ready, on_done, always=False):
+        self.buckets, self.on_ready, self.on_done, self.always = buckets, on_ready, on_done, always
         self.sync, self.queued = True, False
         self.bucket_of = {}
         for b in buckets:
@@ -59,7 +60,7 @@ class ReadyHooks:
                 p.register_post_accumulate_grad_hook(self._hook)
 
     def _hook(self, p):
-        if not self.sync:
+        if not (self.sync or self.always):
             return
         if not self.queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)

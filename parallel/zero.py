@@ -35,6 +35,40 @@ import torch.distributed as dist
 from parallel import buckets
 
 
+def owned_segments(params, offsets, lo, hi, shard, grad_shard, out):
+    """For params laid out at `offsets` in a flat space, the views of `shard` (which holds [lo, hi) of that space)
+    that belong to each; each view's .grad is the matching view of grad_shard. Adds {param: [views]} to `out`."""
+    for p, o in zip(params, offsets):
+        a, z = max(o, lo), min(o + p.numel(), hi)
+        if a < z:  # this parameter overlaps the slice: that piece is one segment
+            seg = shard[a - lo: z - lo]
+            seg.grad = grad_shard[a - lo: z - lo]
+            out.setdefault(p, []).append(seg)
+    return out
+
+
+def sharded_optimizer(template, segments):
+    """The template optimizer's class and param groups, each group over its parameters' segments."""
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [s for p in g["params"] for s in segments.get(p, [])]} for g in template.param_groups]
+    return type(template)(groups)  # each group carries all its hyper-parameters
+
+
+@torch.no_grad()
+def clip_shards(grad_shards, max_norm, group=None, device=None):
+    """The global gradient norm from every rank's shards (one all-reduce of a scalar), then torch's clipping rule
+    (scale by max_norm / (norm + 1e-6) where that is below 1). Padding is zero, so it adds nothing."""
+    sq = sum(g.float().pow(2).sum() for g in grad_shards)
+    sq = sq.to(device) if device is not None else sq  # shards offloaded to CPU; nccl reduces device tensors
+    dist.all_reduce(sq, group=group)
+    norm = sq.sqrt()
+    if math.isfinite(max_norm):
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grad_shards:
+            g.mul_(coef.to(g.device))
+    return norm
+
+
 class ZeroOptimizer:
     def __init__(self, model, make_optimizer, stage, bucket_mb=25, reduce_dtype=torch.float32, group=None):
         assert stage in (1, 2)
@@ -60,15 +94,9 @@ class ZeroOptimizer:
                 p.data = flat[o: o + p.numel()].view_as(p)
                 if stage == 1:
                     p.grad = b.state["grad"][o: o + p.numel()].view_as(p)
-                a, z = max(o, lo), min(o + p.numel(), hi)
-                if a < z:  # this parameter overlaps my slice: that piece is one segment
-                    seg = flat[a:z]
-                    seg.grad = b.state["grad_shard"][a - lo: z - lo]
-                    segments.setdefault(p, []).append(seg)
+            owned_segments(b.params, b.offsets, lo, hi, flat[lo:hi], b.state["grad_shard"], segments)
             dist.broadcast(flat, src=src, group=group)  # every rank starts from the same weights
-        groups = [{**{k: v for k, v in g.items() if k != "params"},
-                   "params": [s for p in g["params"] for s in segments.get(p, [])]} for g in template.param_groups]
-        self.optimizer = type(template)(groups)  # each group carries all its hyper-parameters
+        self.optimizer = sharded_optimizer(template, segments)
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
         self.hooks = buckets.ReadyHooks(self.buckets, self._reduce_scatter, self._wait)
         self.launch_log = []
@@ -110,17 +138,8 @@ class ZeroOptimizer:
             if "pending" in b.state:
                 self._settle(b)
 
-    @torch.no_grad()
     def clip_grad_norm_(self, max_norm):
-        """The global gradient norm from the shards (one all-reduce of a scalar), then torch's clipping rule."""
-        sq = sum(b.state["grad_shard"].float().pow(2).sum() for b in self.buckets)
-        dist.all_reduce(sq, group=self.group)
-        norm = sq.sqrt()
-        if math.isfinite(max_norm):
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for b in self.buckets:
-                b.state["grad_shard"].mul_(coef)
-        return norm
+        return clip_shards([b.state["grad_shard"] for b in self.buckets], max_norm, self.group)
 
     @torch.no_grad()
     def step(self):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SHARED, make_cfg, small_run
+from conftest import SHARED, make_cfg
 from data import prepare, shards, tokenizer
 
 

@@ -1,0 +1,208 @@
+"""FSDP (ZeRO-3) from scratch: parameters, gradients and optimizer state all sharded over the ranks; each unit's
+parameters are gathered just before they are needed and freed right after.
+
+Zhao et al., 2023, "PyTorch FSDP"; Rajbhandari et al., 2020 (ZeRO stage 3). P parameters, N ranks, fp32 Adam:
+  model state per rank   16P/N bytes (fp32 shard 4P/N + gradient shard 4P/N + Adam moments 8P/N), plus the
+                         transient: at most 1 + prefetch units gathered, the gradients of the unit in backward,
+                         and 2 units' flattened gradients in reduction (`peak_gathered` measures it)
+  communication per step all-gather in forward (Psi) + all-gather again in backward (Psi) + reduce-scatter of the
+                         gradients (Psi) = 3 Psi; 2 Psi with reshard_after_forward=false, which keeps each unit
+                         gathered from its forward to its backward (ZeRO-2's traffic, with more memory held)
+
+Units (parallel.blocks_per_unit): the embedding, every k transformer blocks, the final norm + head. A unit's
+parameters are flattened into one flat space padded to a multiple of N; rank r keeps slice r of it as an fp32 master
+shard. All parameters become views into the unit's gathered buffer, whose storage is resized to 0 when the unit is
+freed and back when it is gathered again: the views autograd saved in forward point into that storage, so backward
+sees the refilled values (the trick torch's first FSDP used).
+- forward:  a pre-hook gathers the unit (in param_dtype) and starts gathering the next `prefetch` units; a post-hook
+            frees it (reshard_after_forward) and hooks the unit's output gradient.
+- backward: that output-gradient hook runs just before the unit's backward: it gathers the unit again and starts
+            gathering the `prefetch` units before it. When the unit's last parameter gradient has been accumulated,
+            the gradients are flattened, reduce-scattered (in reduce_dtype) and the unit freed; at the end of
+            backward each rank adds its reduced slice into its fp32 gradient shard.
+- step:     the optimizer only ever sees shards (the caller's optimizer class and groups, over this rank's pieces).
+- no_sync:  non-final micro-steps keep full local gradients and communicate no gradient; units are still freed.
+- cpu_offload: shards, gradient shards and optimizer state live in CPU memory and the step runs there.
+- meta-device init: given a model built on the meta device, each unit is materialized one parameter at a time from
+            model.init_param (same RNG order as a whole-model init) and only this rank's slice is kept: no rank
+            ever holds more than one full parameter besides its shards.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from parallel import buckets
+from parallel.zero import clip_shards, owned_segments, sharded_optimizer
+
+
+def units_of(model, blocks_per_unit):
+    """[(name, [modules in forward order])]: embedding, blocks in groups of blocks_per_unit, norm + head."""
+    blocks = list(model.blocks)
+    groups = [("wte", [model.wte])]
+    for i in range(0, len(blocks), blocks_per_unit):
+        groups.append((f"blocks.{i}-{min(i + blocks_per_unit, len(blocks)) - 1}", blocks[i: i + blocks_per_unit]))
+    return groups + [("head", [model.norm, model.head])]
+
+
+class FSDP:
+    def __init__(self, model, make_optimizer, device, blocks_per_unit=1, reshard_after_forward=True, prefetch=1,
+                 param_dtype=torch.float32, reduce_dtype=torch.float32, cpu_offload=False, group=None):
+        self.group, self.device, self.prefetch = group, torch.device(device), prefetch
+        self.reshard_after_forward, self.param_dtype, self.reduce_dtype = reshard_after_forward, param_dtype, \
+            reduce_dtype
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.shard_device = torch.device("cpu") if cpu_offload else self.device
+        names = {p: n for n, p in model.named_parameters()}
+        on_meta = any(p.is_meta for p in model.parameters())
+        self.units, segments = [], {}
+        self.pending_reduce = []
+        self.peak_gathered = 0  # most bytes of gathered units (and their gradients in flight) held at once
+        for name, modules in units_of(model, blocks_per_unit):
+            owned = [(mod, k, p) for m in modules for mod in m.modules() for k, p in mod._parameters.items()
+                     if p is not None]
+            params = [p for _, _, p in owned]
+            u = buckets.Bucket(params, [], 0)
+            for p in params:
+                u.offsets.append(u.numel)
+                u.numel += p.numel()
+            u.numel = (u.numel + self.world - 1) // self.world * self.world
+            shard = u.numel // self.world
+            lo, hi = self.rank * shard, (self.rank + 1) * shard
+            master = torch.zeros(shard, dtype=torch.float32, device=self.shard_device)
+            for p, o in zip(params, u.offsets):  # fill this rank's slice, one full parameter at a time
+                full = torch.empty(p.shape, dtype=torch.float32, device=self.device)
+                if on_meta:
+                    model.init_param(names[p], full)
+                else:
+                    full.copy_(p.data)
+                a, z = max(o, lo), min(o + p.numel(), hi)
+                if a < z:
+                    master[a - lo: z - lo].copy_(full.view(-1)[a - o: z - o])
+            # the module's parameters become views into the unit's gathered buffer (new Parameter objects: a
+            # meta tensor can't be pointed at real memory)
+            gathered = torch.empty(u.numel, dtype=param_dtype, device=self.device)
+            u.params = []
+            for (mod, k, p), o in zip(owned, u.offsets):
+                setattr(mod, k, nn.Parameter(gathered[o: o + p.numel()].view(p.shape), p.requires_grad))
+                u.params.append(getattr(mod, k))
+            u.state.update(name=name, modules=modules, master=master, lo=lo, hi=hi, gathered=gathered,
+                           grad_shard=torch.zeros_like(master), is_gathered=True)
+            owned_segments(u.params, u.offsets, lo, hi, master, u.state["grad_shard"], segments)
+            self._free(u)
+            self.units.append(u)
+        if on_meta:  # buffers (RoPE tables) are small: materialize and fill them whole
+            for m in model.modules():
+                for k, b in m._buffers.items():
+                    if b is not None and b.is_meta:
+                        m._buffers[k] = torch.empty_like(b, device=self.device)
+            model.init_buffers()
+        template = make_optimizer(model)  # over the new parameters; it holds no state until a step, so costs nothing
+        self.optimizer = sharded_optimizer(template, segments)
+        self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
+        for i, u in enumerate(self.units):
+            u.state["modules"][0].register_forward_pre_hook(lambda m, args, i=i: self._pre_forward(i))
+            u.state["modules"][-1].register_forward_hook(lambda m, args, out, i=i: self._post_forward(i, out))
+        self.hooks = buckets.ReadyHooks(self.units, self._reduce_scatter, self._end_of_backward, always=True)
+
+    # --- gathering and freeing a unit's full parameters
+    def _gather(self, u, wait=True):
+        if not u.state["is_gathered"] and "gather" not in u.state:
+            u.state["gathered"].untyped_storage().resize_(u.numel * u.state["gathered"].element_size())
+            src = u.state["master"].to(self.device, self.param_dtype)  # a copy unless fp32 and on the device
+            # write through .data, an alias with a version counter of its own: the views autograd saved in forward
+            # must not look modified when backward finds them refilled with the same values
+            work = dist.all_gather_into_tensor(u.state["gathered"].data, src, group=self.group, async_op=True)
+            u.state["gather"] = (work, src)
+            self._track()
+        if wait and "gather" in u.state:
+            u.state.pop("gather")[0].wait()
+            u.state["is_gathered"] = True
+
+    def _free(self, u):
+        if "gather" in u.state:  # a prefetch still in flight must land before its memory goes
+            u.state.pop("gather")[0].wait()
+        u.state["gathered"].untyped_storage().resize_(0)
+        u.state["is_gathered"] = False
+
+    def _track(self):
+        held = sum(u.numel * u.state["gathered"].element_size() for u in self.units
+                   if u.state["is_gathered"] or "gather" in u.state)
+        held += sum(flat.numel() * flat.element_size() for _, _, flat, _ in self.pending_reduce)
+        self.peak_gathered = max(self.peak_gathered, held)
+
+    def reshard(self):
+        for u in self.units:
+            self._free(u)
+
+    # --- hooks
+    def _pre_forward(self, i):
+        self._gather(self.units[i])
+        for j in range(i + 1, min(i + 1 + self.prefetch, len(self.units))):
+            self._gather(self.units[j], wait=False)
+
+    def _post_forward(self, i, out):
+        if torch._C._current_graph_task_id() != -1:
+            return  # a recomputation inside backward (activation checkpointing): the unit is still needed
+        if self.reshard_after_forward:
+            self._free(self.units[i])
+        if torch.is_grad_enabled() and out.requires_grad:
+            out.register_hook(lambda grad, i=i: self._pre_backward(i))
+
+    def _pre_backward(self, i):
+        self._gather(self.units[i])
+        for j in range(i - 1, max(i - 1 - self.prefetch, -1), -1):
+            self._gather(self.units[j], wait=False)
+
+    def _reduce_scatter(self, u):
+        if self.hooks.sync:
+            flat = torch.zeros(u.numel, dtype=self.reduce_dtype, device=self.device)
+            for p, o in zip(u.params, u.offsets):
+                flat[o: o + p.numel()].copy_(p.grad.view(-1))
+                p.grad = None
+            flat.div_(self.world)
+            out = torch.empty(u.numel // self.world, dtype=self.reduce_dtype, device=self.device)
+            work = dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True)
+            self.pending_reduce.append((u, work, flat, out))
+            self._track()
+            # at most one reduction in flight besides this one: each holds a full-size gradient buffer
+            while len(self.pending_reduce) > 2 or (len(self.pending_reduce) > 1 and
+                                                   self.pending_reduce[0][1].is_completed()):
+                self._settle(self.pending_reduce.pop(0))
+        self._free(u)  # this unit's backward is over
+
+    def _settle(self, pending):
+        u, work, flat, out = pending
+        work.wait()
+        u.state["grad_shard"].add_(out.to(self.shard_device, torch.float32))
+
+    def _end_of_backward(self):
+        for pending in self.pending_reduce:
+            self._settle(pending)
+        self.pending_reduce = []
+
+    def full_state_dict(self, model):
+        """Every parameter, gathered unit by unit from the fp32 shards: the model's state_dict as plain CPU tensors.
+        A collective: every rank calls it. Peak: one unit gathered."""
+        names = {p: n for n, p in model.named_parameters()}
+        out = {}
+        for u in self.units:
+            full = torch.empty(u.numel, dtype=torch.float32, device=self.device)
+            dist.all_gather_into_tensor(full, u.state["master"].to(self.device), group=self.group)
+            for p, o in zip(u.params, u.offsets):
+                out[names[p]] = full[o: o + p.numel()].view(p.shape).cpu().clone()
+        return out
+
+    # --- the optimizer's interface
+    def no_sync(self):
+        return self.hooks.no_sync()
+
+    def clip_grad_norm_(self, max_norm):
+        return clip_shards([u.state["grad_shard"] for u in self.units], max_norm, self.group, self.device)
+
+    @torch.no_grad()
+    def step(self):
+        self.optimizer.step()  # on the shards only, wherever they live (CPU with offload)
+
+    def zero_grad(self, set_to_none=True):
+        for u in self.units:
+            u.state["grad_shard"].zero_()
