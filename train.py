@@ -279,6 +279,8 @@ def run(cfg, run_dir):
                           step_time_s=dt * tokens_per_step / tokens_since, peak_mem_mb=peak_memory_mb(device),
                           comm_bytes=comm.bytes, state_bytes=state, comm_bytes_max=int(worst[0]),
                           state_bytes_max=int(worst[1]))
+            if hasattr(opt, "peak_gathered"):  # our FSDP: the most bytes of gathered units it ever held at once
+                record["transient_bytes"] = opt.peak_gathered
             if peak:
                 record["mfu"] = flops_per_token * tok_s / (peak * world)
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)

@@ -111,7 +111,7 @@ class FSDP:
             src = u.state["master"].to(self.device, self.param_dtype)  # a copy unless fp32 and on the device
             # write through .data, an alias with a version counter of its own: the views autograd saved in forward
             # must not look modified when backward finds them refilled with the same values
-            work = dist.all_gather_into_tensor(u.state["gathered"].data, src, group=self.group, async_op=True)
+            work = dist.all_gather_single(u.state["gathered"].data, src, group=self.group, async_op=True)
             u.state["gather"] = (work, src)
             self._track()
         if wait and "gather" in u.state:
@@ -161,7 +161,7 @@ class FSDP:
                 p.grad = None
             flat.div_(self.world)
             out = torch.empty(u.numel // self.world, dtype=self.reduce_dtype, device=self.device)
-            work = dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True)
+            work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
             self.pending_reduce.append((u, work, flat, out))
             self._track()
             # at most one reduction in flight besides this one: each holds a full-size gradient buffer
@@ -187,7 +187,7 @@ class FSDP:
         out = {}
         for u in self.units:
             full = torch.empty(u.numel, dtype=torch.float32, device=self.device)
-            dist.all_gather_into_tensor(full, u.state["master"].to(self.device), group=self.group)
+            dist.all_gather_single(full, u.state["master"].to(self.device), group=self.group)
             for p, o in zip(u.params, u.offsets):
                 out[names[p]] = full[o: o + p.numel()].view(p.shape).cpu().clone()
         return out

@@ -124,7 +124,7 @@ class ZeroOptimizer:
         out = comm[b.state["lo"]: b.state["hi"]] if self.stage == 1 else b.state["grad_shard"]
         if out.dtype != comm.dtype:
             out = torch.empty_like(out, dtype=comm.dtype)
-        b.state["pending"] = (dist.reduce_scatter_tensor(out, comm, group=self.group, async_op=True), comm, out)
+        b.state["pending"] = (dist.reduce_scatter_single(out, comm, group=self.group, async_op=True), comm, out)
         self.launch_log.append(self.buckets.index(b))
 
     def _settle(self, b):
@@ -144,7 +144,7 @@ class ZeroOptimizer:
     @torch.no_grad()
     def step(self):
         self.optimizer.step()  # updates this rank's segments of the flat buffers, in place
-        works = [dist.all_gather_into_tensor(b.state["param"], b.state["param"][b.state["lo"]: b.state["hi"]],
+        works = [dist.all_gather_single(b.state["param"], b.state["param"][b.state["lo"]: b.state["hi"]],
                                              group=self.group, async_op=True) for b in self.buckets]
         for w in works:
             w.wait()

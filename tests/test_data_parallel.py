@@ -156,8 +156,8 @@ def _count_worker(rank, world, init_file, errors):
         t = torch.ones(1000)  # 4000 bytes
         with CommCounter() as c:
             dist.all_reduce(t)
-            dist.reduce_scatter_tensor(torch.empty(500), torch.ones(1000))
-            dist.all_gather_into_tensor(torch.empty(1000), torch.ones(500))
+            dist.reduce_scatter_single(torch.empty(500), torch.ones(1000))
+            dist.all_gather_single(torch.empty(1000), torch.ones(500))
             dist.broadcast(t, src=0)
             dist.barrier()
         assert dict(c.by_kind) == {"all_reduce": 8000, "reduce_scatter": 4000, "all_gather": 4000,
