@@ -191,10 +191,11 @@ def state_bytes(model, opt):
     return sum(storages.values())
 
 
-def theory(name, n_params, world, reduce_bytes=4):
-    """(comm bytes per step, model-state bytes per rank) that the ZeRO paper predicts for fp32 Adam."""
+def theory(name, n_params, world, reduce_bytes=4, accum=1):
+    """(comm bytes per step, model-state bytes per rank) that the ZeRO paper predicts for fp32 Adam. With gradient
+    accumulation FSDP gathers in every micro-step's forward and backward but reduces once: (2 accum + 1) Psi."""
     P, N = n_params, world
-    comm = {"single": 0, "ddp": 2, "zero1": 2, "zero2": 2, "fsdp": 3}[name] * P * reduce_bytes
+    comm = {"single": 0, "ddp": 2, "zero1": 2, "zero2": 2, "fsdp": 2 * accum + 1}[name] * P * reduce_bytes
     state = {"single": 16 * P, "ddp": 16 * P, "zero1": 8 * P + 8 * P / N, "zero2": 4 * P + 12 * P / N,
              "fsdp": 16 * P / N}[name]
     return comm, state

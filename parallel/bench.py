@@ -85,7 +85,7 @@ def main():
         start, _, last = results[k][-1]
         world = start["world_size"]
         comm_theory, state_theory = parallel.theory(strategy, start["n_params"], world, start["param_bytes"] //
-                                                    start["n_params"])
+                                                    start["n_params"], start["grad_accum"])
         torch_tok_s = tok_s(CONFIGS.index((strategy, "torch"))) if impl == "scratch" else None
         rows.append({
             "strategy": strategy, "impl": impl or "-", "world": world, "tok_per_s": round(tok_s(k)),
@@ -104,8 +104,8 @@ def main():
                   "comm_in_psi": f"{results[k][-1][2]['comm_bytes'] / results[k][-1][0]['param_bytes']:.3f}"}
                  for label, k in knob_jobs]
     P = results[0][0][0]["n_params"]
-    note = (f"{P:,} parameters; theory (ZeRO paper, fp32 Adam): comm 2 Psi for ddp/zero1/zero2, 3 Psi for fsdp "
-            f"(per micro-step: (2 x accumulation + 1) Psi); state 16P, 8P+8P/N, 4P+12P/N, 16P/N. peak_MiB: rank 0's "
+    note = (f"{P:,} parameters; theory (ZeRO paper, fp32 Adam): comm 2 Psi for ddp/zero1/zero2, (2 x accumulation "
+            f"+ 1) Psi for fsdp; state 16P, 8P+8P/N, 4P+12P/N, 16P/N. peak_MiB: rank 0's "
             f"peak RSS above what it held before the model was built. Overrides: {' '.join(a.overrides) or '(none)'}; "
             f"{a.rounds} round(s).")
     text = markdown(rows) + "\n\n" + markdown(knob_rows) + "\n\n" + note
