@@ -191,9 +191,6 @@ def run(cfg, run_dir):
         torch.cuda.set_device(device)
     print0 = print if rank == 0 else (lambda *a, **k: None)
     t, o = cfg.train, cfg.optim
-    if rank == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        OmegaConf.save(cfg, os.path.join(run_dir, "config.yaml"), resolve=True)
 
     # --- data: one process per machine prepares the shards, the others wait and then read the cache
     if local_rank == 0:
@@ -205,6 +202,9 @@ def run(cfg, run_dir):
         if len(toks) <= t.seq_len:
             raise ConfigError(f"the {name} split has {len(toks)} tokens, too few for seq_len={t.seq_len}; "
                               f"add text or lower data.val_fraction / train.seq_len")
+    if rank == 0:  # the first file of the run, written once every check has passed
+        os.makedirs(run_dir, exist_ok=True)
+        OmegaConf.save(cfg, os.path.join(run_dir, "config.yaml"), resolve=True)
 
     # --- model: built on the meta device and materialized in place, so no full copy is ever made elsewhere
     mcfg = GPTConfig(vocab_size=cfg.model.vocab_size or meta["vocab_size"], block_size=cfg.model.block_size,
@@ -228,8 +228,8 @@ def run(cfg, run_dir):
     reduce_bytes = parallel.DTYPES[cfg.parallel.get("reduce_dtype", "float32")].itemsize
     metrics.log({"step": 0, "n_params": n_params, "param_bytes": n_params * reduce_bytes, "world_size": world,
                  "flops_per_token": flops_per_token, "tokens_per_step": tokens_per_step, "grad_accum": accum,
-                 "device": device, "dtype": dtype, "parallel": cfg.parallel.name, "mem_mb_before_model": mem_before_model,
-                 "impl": cfg.parallel.get("impl", "scratch")})
+                 "device": device, "dtype": dtype, "parallel": cfg.parallel.name,
+                 "impl": cfg.parallel.get("impl", "scratch"), "mem_mb_before_model": mem_before_model})
     print0(f"model: {n_params / 1e6:.2f}M parameters, vocab {mcfg.vocab_size} (padded {mcfg.padded_vocab_size}) | "
            f"data: {len(train_tokens):,} train / {len(val_tokens):,} val tokens | {device} {dtype} | "
            f"{world} rank(s) {cfg.parallel.name}, grad accumulation {accum} | run dir {run_dir}")

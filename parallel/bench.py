@@ -25,9 +25,10 @@ import parallel
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = [("single", None)] + [(s, i) for s in ("ddp", "zero1", "zero2", "fsdp") for i in ("scratch", "torch")]
 # (label, overrides) for our FSDP, each against the default fsdp row above
-KNOBS = [("prefetch=0", ["parallel.prefetch=0"]), ("reshard_after_forward=false", ["parallel.reshard_after_forward=false"]),
-         ("blocks_per_unit=2", ["parallel.blocks_per_unit=2"]), ("activation_checkpointing=full",
-                                                                  ["train.activation_checkpointing=full"])]
+KNOBS = [("prefetch=0", ["parallel.prefetch=0"]),
+         ("reshard_after_forward=false", ["parallel.reshard_after_forward=false"]),
+         ("blocks_per_unit=2", ["parallel.blocks_per_unit=2"]),
+         ("activation_checkpointing=full", ["train.activation_checkpointing=full"])]
 DEFAULTS = ["train.global_batch_size=32", "train.micro_batch_size=8", "train.max_steps=25", "train.log_every=5",
             "train.eval_every=1000", "train.eval_steps=1", "train.sample_tokens=0", "train.checkpoint=false",
             "logger.mode=disabled"]

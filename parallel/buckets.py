@@ -48,7 +48,8 @@ class ReadyHooks:
     """Call on_ready(bucket) as each bucket's last gradient is accumulated, and on_done() when backward ends.
 
     Inside `no_sync()` nothing is called: gradients just accumulate locally (non-final micro-steps), unless
-    `always` is set: then the callbacks run anyway and read `self.sync` themselves (FSDP frees parameters either way)."""
+    `always` is set: then the callbacks run anyway and read `self.sync` themselves (FSDP frees parameters
+    either way)."""
 
     def __init__(self, buckets, on_ready, on_done, always=False):
         self.buckets, self.on_ready, self.on_done, self.always = buckets, on_ready, on_done, always

@@ -6,9 +6,10 @@ N ranks, fp32 Adam; model state per rank in bytes:
   ZeRO-1   8P + 8P/N   params 4P + grads 4P  + moments 8P/N
   ZeRO-2   4P + 12P/N  params 4P + grads 4P/N + moments 8P/N
 Communication per step for both: reduce-scatter of the gradients (Psi) + all-gather of the updated parameters (Psi)
-= 2 Psi, the same as DDP's one all-reduce. (With parallel.reduce_dtype=bfloat16 the gradients travel in bf16
-while the all-gathered parameters stay fp32: 2P + 4P bytes.) (A "ZeRO-1" that all-reduces the gradients and then broadcasts each
-rank's updated parameters pays 3 Psi: torch's ZeroRedundancyOptimizer behind DDP does exactly that.)
+= 2 Psi, the same as DDP's one all-reduce. A "ZeRO-1" that all-reduces the gradients and then broadcasts each
+rank's updated parameters pays 3 Psi: torch's ZeroRedundancyOptimizer behind DDP does exactly that. (With
+parallel.reduce_dtype=bfloat16 the gradients travel in bf16 while the all-gathered parameters stay fp32: 2P + 4P
+bytes.)
 
 Layout: the parameters are packed into buckets in reverse registration order (parallel/buckets.py); each bucket is
 one flat fp32 buffer padded to a multiple of N, and every parameter becomes a view into it. Rank r owns slice r of
