@@ -75,20 +75,14 @@ def apply(model, p, make_optimizer, device):
         kw = dict(reshard_after_forward=p.reshard_after_forward, mp_policy=mp,
                   offload_policy=CPUOffloadPolicy(pin_memory=str(device) != "cpu") if p.cpu_offload
                   else OffloadPolicy())  # pinned memory needs an accelerator
-        for _, modules in units_of(model, p.blocks_per_unit)[1:-1]:
-            fully_shard(modules, **kw)
-        fully_shard(model, **kw)  # the root: embedding, final norm and head
-        return model, make_optimizer(model)
+        return _fully_shard(model, p.blocks_per_unit, **kw), make_optimizer(model)
     if p.impl == "scratch":
         if p.name == "ddp":
             return DDP(model, p.bucket_mb, reduce_dtype), make_optimizer(model)
         return model, ZeroOptimizer(model, make_optimizer, int(p.name[-1]), p.bucket_mb, reduce_dtype)
     if p.name == "zero2":  # FSDP2 that keeps parameters gathered from forward to backward: ZeRO-2's traffic
         mp = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
-        for block in model.blocks:
-            fully_shard(block, reshard_after_forward=False, mp_policy=mp)
-        fully_shard(model, reshard_after_forward=False, mp_policy=mp)
-        return model, make_optimizer(model)
+        return _fully_shard(model, 1, reshard_after_forward=False, mp_policy=mp), make_optimizer(model)
     # forward_sync_buffers=False: the only buffers are RoPE tables, equal everywhere; broadcasting them each forward
     # would add traffic that says nothing about the strategy
     ddp = DistributedDataParallel(model, bucket_cap_mb=p.bucket_mb, gradient_as_bucket_view=True,
@@ -101,6 +95,13 @@ def apply(model, p, make_optimizer, device):
     from torch.distributed.optim import ZeroRedundancyOptimizer
     template = make_optimizer(model)
     return ddp, ZeroRedundancyOptimizer(template.param_groups, optimizer_class=type(template))
+
+
+def _fully_shard(model, blocks_per_unit, **kw):
+    """FSDP2 on the same units as our FSDP: each group of blocks, then the root (embedding, final norm, head)."""
+    for _, modules in units_of(model, blocks_per_unit)[1:-1]:
+        fully_shard(modules, **kw)
+    return fully_shard(model, **kw)
 
 
 def apply_activation_checkpointing(model, mode, every=1):

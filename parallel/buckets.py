@@ -34,14 +34,16 @@ def pack(params, bucket_mb, pad=1):
             current, size = [], 0
     if current:
         buckets.append(current)
-    out = []
-    for ps in buckets:
-        offsets, n = [], 0
-        for p in ps:
-            offsets.append(n)
-            n += p.numel()
-        out.append(Bucket(ps, offsets, (n + pad - 1) // pad * pad))
-    return out
+    return [layout(ps, pad) for ps in buckets]
+
+
+def layout(params, pad=1):
+    """One bucket: params laid end to end in a flat space whose size is padded to a multiple of `pad`."""
+    offsets, n = [], 0
+    for p in params:
+        offsets.append(n)
+        n += p.numel()
+    return Bucket(list(params), offsets, (n + pad - 1) // pad * pad)
 
 
 class ReadyHooks:
@@ -54,6 +56,7 @@ class ReadyHooks:
     def __init__(self, buckets, on_ready, on_done, always=False):
         self.buckets, self.on_ready, self.on_done, self.always = buckets, on_ready, on_done, always
         self.sync, self.queued = True, False
+        self.ready_log = []  # bucket indices in the order they became ready, for tests and the curious
         self.bucket_of = {}
         for b in buckets:
             for p in b.params:
@@ -69,6 +72,7 @@ class ReadyHooks:
         b = self.bucket_of[p]
         b.ready += 1
         if b.ready == len(b.params):
+            self.ready_log.append(self.buckets.index(b))
             self.on_ready(b)
 
     def _end_of_backward(self):

@@ -39,7 +39,6 @@ class DDP(nn.Module):
                 self.views[p] = b.state["grad"][o: o + p.numel()].view_as(p)
                 p.grad = self.views[p]
         self.hooks = buckets.ReadyHooks(self.buckets, self._all_reduce, self._wait)
-        self.launch_log = []  # bucket indices in launch order, for tests and the curious
 
     def forward(self, *args, **kwargs):
         # zero_grad(set_to_none=True) drops .grad; point it back into the (zeroed) bucket before autograd writes
@@ -59,7 +58,6 @@ class DDP(nn.Module):
         comm.div_(self.world)  # gloo has no AVG; dividing first keeps the sum in range for low precision too
         b.state["work"] = dist.all_reduce(comm, group=self.group, async_op=True)
         b.state["comm"] = comm
-        self.launch_log.append(self.buckets.index(b))
 
     def _wait(self):
         for b in self.buckets:

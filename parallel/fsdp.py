@@ -61,11 +61,7 @@ class FSDP:
             owned = [(mod, k, p) for m in modules for mod in m.modules() for k, p in mod._parameters.items()
                      if p is not None]
             params = [p for _, _, p in owned]
-            u = buckets.Bucket(params, [], 0)
-            for p in params:
-                u.offsets.append(u.numel)
-                u.numel += p.numel()
-            u.numel = (u.numel + self.world - 1) // self.world * self.world
+            u = buckets.layout(params, pad=self.world)
             shard = u.numel // self.world
             lo, hi = self.rank * shard, (self.rank + 1) * shard
             master = torch.zeros(shard, dtype=torch.float32, device=self.shard_device)

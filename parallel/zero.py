@@ -100,7 +100,6 @@ class ZeroOptimizer:
         self.optimizer = sharded_optimizer(template, segments)
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
         self.hooks = buckets.ReadyHooks(self.buckets, self._reduce_scatter, self._wait)
-        self.launch_log = []
 
     def no_sync(self):
         return self.hooks.no_sync()
@@ -126,7 +125,6 @@ class ZeroOptimizer:
         if out.dtype != comm.dtype:
             out = torch.empty_like(out, dtype=comm.dtype)
         b.state["pending"] = (dist.reduce_scatter_single(out, comm, group=self.group, async_op=True), comm, out)
-        self.launch_log.append(self.buckets.index(b))
 
     def _settle(self, b):
         work, comm, out = b.state.pop("pending")  # stage 2: dropping `comm`, the transient full buffer, frees it

@@ -83,7 +83,7 @@ def _worker(rank, world, init_file, strategy, errors):
         # registered before the strategy's own hooks, so it runs first on the parameter whose gradient comes last
         # (the embedding: first in forward, last in backward)
         model.wte.weight.register_post_accumulate_grad_hook(
-            lambda p: seen_at_last_grad.append(list(owner.launch_log)))
+            lambda p: seen_at_last_grad.append(list(owner.hooks.ready_log)))
         torch.manual_seed(rank)
         idx = torch.randint(0, 256, (4, 16))
         if strategy == "ddp":
@@ -102,7 +102,7 @@ def _worker(rank, world, init_file, strategy, errors):
         assert len(owner.buckets) >= 3, len(owner.buckets)
         # overlap: when the last gradient arrives, earlier buckets' collectives are already in flight
         assert len(seen_at_last_grad) == 1 and len(seen_at_last_grad[0]) >= 1, seen_at_last_grad
-        assert owner.launch_log == list(range(len(owner.buckets)))  # every bucket, in backward order
+        assert owner.hooks.ready_log == list(range(len(owner.buckets)))  # every bucket, in backward order
         if strategy == "ddp":  # the averaged gradients are in .grad itself
             for n, p in model.named_parameters():
                 torch.testing.assert_close(p.grad, expected[n], rtol=1e-5, atol=1e-7, msg=n)
