@@ -3,6 +3,7 @@
     python train.py                                   # tiny GPT on the stdlib's Python sources, CPU or GPU
     python train.py model=gpt_125m data=text data.paths=[my.txt] train.max_steps=2000
     torchrun --nproc_per_node=4 train.py parallel=zero2 parallel.impl=scratch
+    python train.py -m parallel=ddp,zero1,zero2,fsdp launcher.nproc_per_node=4   # a sweep of 4-rank jobs
 
 Every setting lives in conf/ (Hydra); `python train.py --help` lists the groups and their options.
 Bad settings stop the run with one line, `error: ...`, before any work and before anything is written.
@@ -20,12 +21,15 @@ import hydra
 import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import CompactHydraException
+from hydra.types import RunMode
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
 import parallel
 from data import prepare, shards
 from model import GPT, GPTConfig
+from parallel import launch
 from parallel.comm import CommCounter
 
 # Peak dense bf16 matmul rates, FLOP/s, from the vendors' data sheets (dense, no sparsity). MFU is reported only
@@ -186,6 +190,8 @@ def run(cfg, run_dir):
     if world > 1:
         dist.init_process_group("nccl" if device == "cuda" else "gloo")
         dist.barrier()  # every rank has checked the run dir before rank 0 writes into it
+        if rank > 0:  # one console: the other ranks print to rank<k>.log in the run dir
+            launch.log_to_file(run_dir, rank)
     if device == "cuda":
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
@@ -314,13 +320,41 @@ def run(cfg, run_dir):
     return record
 
 
-@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+@hydra.main(config_path=os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf"), config_name="config",
+            version_base="1.3")
 def main(cfg):
+    """One job: this process's rank (torchrun, SLURM, or none), or the launcher of its own ranks
+    (launcher.nproc_per_node; parallel/launch.py). In a sweep (-m) a failed job says why in one line, and the sweep
+    goes on to the next job: Hydra records it as failed and exits non-zero at the end."""
+    hc = HydraConfig.get()
+    run_dir = hc.runtime.output_dir
+    sweep = hc.mode == RunMode.MULTIRUN
+    # W&B: a sweep's jobs share a group, and a run is named by its overrides (logger.group/name override both)
+    cfg.logger.group = cfg.logger.group or (hc.sweep.dir if sweep else None)
+    cfg.logger.name = cfg.logger.name or hc.job.override_dirname or None
     try:
-        run(cfg, HydraConfig.get().runtime.output_dir)
-    except (ConfigError, prepare.DataError) as e:
-        sys.exit(f"error: {e}")
+        problem = launch.check(cfg.launcher, cfg.train.device, under_torchrun="TORCHELASTIC_RUN_ID" in os.environ)
+        if problem:
+            raise ConfigError(problem)
+        if cfg.launcher.nproc_per_node:
+            check_config(cfg, run_dir, cfg.launcher.nproc_per_node * cfg.launcher.nnodes)  # before starting ranks
+            launch.launch(run, cfg, run_dir, cfg.launcher)
+        else:
+            launch.ranks_from_submitit()
+            run(cfg, run_dir)
+    except (ConfigError, prepare.DataError, launch.LaunchError) as e:
+        if not sweep:
+            sys.exit(f"error: {e}")
+        print(f"error: job #{hc.job.num} ({hc.job.override_dirname}): {e}", file=sys.stderr, flush=True)
+        raise JobFailed(f"job #{hc.job.num} ({hc.job.override_dirname}) failed: {e}") from None
+
+
+class JobFailed(CompactHydraException):
+    """A sweep's job failed: the sweep goes on, and Hydra ends it with this one line rather than a traceback."""
 
 
 if __name__ == "__main__":
-    main()
+    # call the main of the module `train`, not of `__main__`: a launcher that pickles the job (submitit) then refers
+    # to it by name, train.main, and its job imports it (from the repo root, where `python train.py` runs)
+    import train
+    train.main()

@@ -1,0 +1,181 @@
+"""How train.py's ranks come to exist, and the few things every launch path must agree on.
+
+    torchrun --nproc_per_node=N train.py ...                  torchrun starts N ranks; each runs Hydra and train.py
+    torchrun --nnodes=M --rdzv_backend=c10d --rdzv_endpoint=HOST:PORT ...   the same on M machines
+    python train.py launcher.nproc_per_node=N ...             train.py starts its own N ranks through torch's elastic
+                                                              launch API (what torchrun runs on), so each job of a
+                                                              Hydra sweep (-m) is an N-rank job
+    python train.py -m hydra/launcher=submitit_slurm ...      one SLURM task per rank, ranks from the SLURM environment
+
+Choices:
+- One run dir per job. Under torchrun every rank runs Hydra, so the dir's timestamp is `${launch_time:...}`: rank 0's
+  clock, formatted by rank 0 and handed to the others through torchrun's rendezvous store (no per-rank dirs, even
+  across machines and time zones). Self-launched ranks get the dir from the process that started them, SLURM tasks
+  from the config the sweep resolved before submitting.
+- Rank 0 keeps the console. Rank k > 0 sends its stdout and stderr, at the file-descriptor level so that C++ warnings
+  follow, to rank<k>.log in the run dir; only rank 0 writes the config, metrics.jsonl and the W&B run.
+- A failed rank fails its job with one line: which ranks ended, how, and where their output is.
+"""
+import contextlib
+import datetime
+import functools
+import os
+import socket
+import sys
+import uuid
+
+import torch
+from omegaconf import OmegaConf
+
+# CPU ranks are processes that mostly wait on each other at collectives; past this many per core a typo'd
+# nproc_per_node only thrashes the machine. On a GPU the bound is one rank per device.
+CPU_RANKS_PER_CORE = 4
+_store = None  # rank 0's handle on the rendezvous store, kept open until the other ranks have read from it
+
+
+class LaunchError(RuntimeError):
+    """A launch that can't work, or ranks that failed; reported as one line."""
+
+
+def launch_time(pattern):
+    """`${launch_time:%H-%M-%S}` in hydra.run.dir: the start of this launch by rank 0's clock, formatted by rank 0."""
+    return _rank0_string(f"launch_time/{pattern}", _now().strftime(pattern))
+
+
+@functools.cache
+def _now():
+    return datetime.datetime.now()  # once per process, so a date and a time read separately never straddle midnight
+
+
+@functools.cache
+def _rank0_string(key, value):
+    """Rank 0's `value` for `key`, on every rank that a torch elastic agent (torchrun, or several on several
+    machines) started; `value` itself anywhere else. Cached: Hydra resolves the run dir more than once."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world == 1 or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return value
+    global _store
+    rank = int(os.environ["RANK"])
+    # the agent's rendezvous store, which every worker can reach; with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 rank 0
+    # hosts it instead, multi-tenant so that init_process_group later shares the server on the same port
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                       is_master=rank == 0 and not agent_store, multi_tenant=True,
+                                       wait_for_workers=False, timeout=datetime.timedelta(minutes=10))
+    key = f"nanoparallel/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/{key}"
+    if rank == 0:
+        store.set(key, value)
+        _store = store
+        return value
+    return store.get(key).decode()
+
+
+OmegaConf.register_new_resolver("launch_time", launch_time, use_cache=True, replace=True)
+
+
+def in_submitit_job():
+    return "SUBMITIT_EXECUTOR" in os.environ
+
+
+def check(lc, device, under_torchrun):
+    """The error message for launcher settings (cfg.launcher) that can't work here, or None."""
+    n = lc.nproc_per_node
+    if under_torchrun and in_submitit_job():
+        return "a submitit (SLURM) job started from under torchrun: run `python train.py -m hydra/launcher=...` alone"
+    if n is None:
+        return None
+    if under_torchrun:
+        return (f"launcher.nproc_per_node={n} asks train.py to start its own ranks, but it is already one of "
+                f"torchrun's {os.environ.get('WORLD_SIZE')} ranks; drop launcher.nproc_per_node or run with python")
+    if in_submitit_job() and _submitit_tasks() > 1:
+        return (f"launcher.nproc_per_node={n} inside a SLURM job of {_submitit_tasks()} tasks: each task is already "
+                f"a rank; use hydra.launcher.tasks_per_node for the ranks, or one task and launcher.nproc_per_node")
+    if not isinstance(n, int) or n < 1:
+        return f"launcher.nproc_per_node={n!r} must be a whole number >= 1"
+    limit, what = max_local_ranks(device)
+    if n > limit:
+        return f"launcher.nproc_per_node={n} is more than this machine can run: at most {limit} ({what})"
+    if not isinstance(lc.nnodes, int) or lc.nnodes < 1:
+        return f"launcher.nnodes={lc.nnodes!r} must be a whole number >= 1"
+    if lc.nnodes > 1 and not (lc.rdzv_endpoint and lc.rdzv_id):
+        return (f"launcher.nnodes={lc.nnodes} needs the rendezvous every node joins: launcher.rdzv_endpoint=HOST:PORT "
+                f"(a host all nodes reach) and launcher.rdzv_id=NAME, the same on every node")
+    return None
+
+
+def max_local_ranks(device):
+    """(how many ranks one machine may run, why): one per GPU, or CPU_RANKS_PER_CORE per usable CPU core."""
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        return torch.cuda.device_count(), "one rank per GPU; this machine has that many"
+    cores = len(os.sched_getaffinity(0))
+    return CPU_RANKS_PER_CORE * cores, f"{CPU_RANKS_PER_CORE} CPU ranks per core, {cores} cores"
+
+
+def _submitit_tasks():
+    import submitit
+    return submitit.JobEnvironment().num_tasks
+
+
+def ranks_from_submitit():
+    """In a SLURM (or submitit local) job of several tasks, each task is a rank: export RANK, WORLD_SIZE,
+    MASTER_ADDR/PORT (first node, a port drawn from the job id) and LOCAL_RANK for init_process_group."""
+    if not in_submitit_job() or _submitit_tasks() < 2:
+        return
+    import submitit
+    # keep every GPU visible: train.py picks cuda:LOCAL_RANK itself
+    submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
+def log_to_file(run_dir, rank):
+    """Send this process's stdout and stderr (the file descriptors: C++ output too) to rank<k>.log in run_dir."""
+    os.makedirs(run_dir, exist_ok=True)  # on a node that doesn't share rank 0's file system
+    path = os.path.join(run_dir, f"rank{rank}.log")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    print(f"rank {rank} of {os.environ.get('WORLD_SIZE')}, pid {os.getpid()} on {socket.gethostname()}", flush=True)
+
+
+def launch(fn, cfg, run_dir, lc):
+    """Run fn(cfg, run_dir) on lc.nproc_per_node local ranks (x lc.nnodes machines) through torch's elastic agent;
+    raise LaunchError naming the failed ranks if any fails (the agent then stops the others)."""
+    import logging
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)  # the agent narrates every step
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)  # we report failures
+    single = lc.nnodes == 1
+    config = LaunchConfig(min_nodes=lc.nnodes, max_nodes=lc.nnodes, nproc_per_node=lc.nproc_per_node,
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0" if single else lc.rdzv_endpoint,
+                          run_id=str(uuid.uuid4()) if single else lc.rdzv_id, max_restarts=0,
+                          start_method="spawn")  # spawn: a fresh interpreter per rank, whatever the parent holds
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N ranks each on all cores would thrash
+    try:
+        elastic_launch(config, _rank_main)(fn, cfg, run_dir)
+    except ChildFailedError as e:
+        raise LaunchError(describe_failures(e.failures, run_dir)) from None
+    finally:
+        if not single:  # the dir Hydra made on this node (and its date folder) is unused where rank 0 is elsewhere
+            for d in (run_dir, os.path.dirname(run_dir)):
+                with contextlib.suppress(OSError):
+                    os.rmdir(d)  # only if empty
+
+
+def _rank_main(fn, cfg, run_dir):
+    # ranks on other machines take rank 0's run dir: one dir per job, whichever node's clock named it
+    run_dir = _rank0_string("run_dir", run_dir)
+    return fn(cfg, run_dir)
+
+
+def describe_failures(failures, run_dir):
+    """One line for ChildFailedError.failures ({rank: ProcessFailure}): first failure first."""
+    parts = []
+    for rank, f in sorted(failures.items(), key=lambda kv: kv[1].timestamp):
+        how = f"killed by {f.signal_name()}" if f.exitcode < 0 else f"exited with code {f.exitcode}"
+        msg = f.message.get("message", "") if isinstance(f.message, dict) else ""
+        where = f"; output in {os.path.join(run_dir, f'rank{rank}.log')}" if rank > 0 else ""
+        parts.append(f"rank {rank} {how}" + (f" ({msg.splitlines()[0][:300]})" if msg else "") + where)
+    return "; ".join(parts)
