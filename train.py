@@ -183,8 +183,10 @@ def run(cfg, run_dir):
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device, dtype, accum = check_config(cfg, run_dir, world)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if world > 1:
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    if world > 1 or cfg.parallel.name != "single":  # a one-rank FSDP still calls collectives (on itself)
+        # without torchrun there is no rendezvous to read; one process needs none: a local store serves
+        alone = {} if "MASTER_ADDR" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", **alone)
         dist.barrier()  # every rank has checked the run dir before rank 0 writes into it
     if device == "cuda":
         device = f"cuda:{local_rank}"
@@ -304,7 +306,7 @@ def run(cfg, run_dir):
             out = parallel.unwrap(model).generate(prompt, t.sample_tokens)
         print0("--- sample ---\n" + enc.decode(out[0].tolist()) + "\n--------------")
     metrics.close()
-    if world > 1:
+    if dist.is_initialized():
         # torch's DDP reducer holds the process group: free it while every peer is still connected (gloo's
         # destructor can otherwise wait forever on a peer that has already gone)
         del model, opt

@@ -33,7 +33,7 @@ def check(p, world, n_layer, cpu_bf16=True):
     if p.name == "single":
         return None if world == 1 else \
             f"parallel=single runs in one process, but {world} were launched; pick a parallel strategy"
-    if world < 2:
+    if world < 2 and p.name != "fsdp":  # FSDP on one rank: no sharding, all its machinery, to time it alone
         return (f"parallel={p.name} needs several processes, but this is one; launch it with "
                 f"`torchrun --nproc_per_node=N train.py parallel={p.name}` (N >= 2)")
     if p.impl not in IMPLS:
