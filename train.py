@@ -26,11 +26,8 @@ from tqdm import tqdm
 import parallel
 from data import prepare, shards
 from model import GPT, GPTConfig
+from parallel import plan
 from parallel.comm import CommCounter
-
-# Peak dense bf16 matmul rates, FLOP/s, from the vendors' data sheets (dense, no sparsity). MFU is reported only
-# where the device is listed; a CPU's peak is not a number we can state honestly.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 
 class ConfigError(ValueError):
@@ -222,8 +219,8 @@ def run(cfg, run_dir):
         model.compile()  # in place, so the strategies' hooks and wrappers see the same module
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if dtype == "bfloat16" \
         else contextlib.nullcontext()
-    peak = next((v for k, v in PEAK_FLOPS.items() if device.startswith("cuda") and k in torch.cuda.get_device_name()),
-                None)
+    # MFU only where the datasheet's peak is known (parallel/plan.py GPUS); a CPU's is not a number we can state
+    peak = plan.peak_flops(torch.cuda.get_device_name(device)) if device.startswith("cuda") else None
 
     metrics = Metrics(cfg, run_dir, rank)
     tokens_per_step = t.global_batch_size * t.seq_len

@@ -8,7 +8,8 @@ so every strategy has a reference to be checked and timed against. parallel=sing
 the reference that tests/ compares every strategy with, numerically.
 
 This file is the small surface train.py uses: apply() wraps the model and builds the optimizer; no_sync(),
-clip_grad_norm() and full_state_dict() hide which wrapper holds what; theory() and state_bytes() are the accounting.
+clip_grad_norm() and full_state_dict() hide which wrapper holds what; theory() (from plan.py) and state_bytes() are
+the accounting.
 """
 import contextlib
 
@@ -193,10 +194,7 @@ def state_bytes(model, opt):
 
 
 def theory(name, n_params, world, reduce_bytes=4, accum=1):
-    """(comm bytes per step, model-state bytes per rank) that the ZeRO paper predicts for fp32 Adam. With gradient
-    accumulation FSDP gathers in every micro-step's forward and backward but reduces once: (2 accum + 1) Psi."""
-    P, N = n_params, world
-    comm = {"single": 0, "ddp": 2, "zero1": 2, "zero2": 2, "fsdp": 2 * accum + 1}[name] * P * reduce_bytes
-    state = {"single": 16 * P, "ddp": 16 * P, "zero1": 8 * P + 8 * P / N, "zero2": 4 * P + 12 * P / N,
-             "fsdp": 16 * P / N}[name]
-    return comm, state
+    """(comm bytes per step, model-state bytes per rank) that the ZeRO paper predicts for fp32 Adam. The formulas
+    live in the planner, parallel/plan.py, with the rest of each strategy's theory."""
+    from parallel import plan  # imported here: `python -m parallel.plan` must find it not yet imported
+    return plan.theory(name, n_params, world, reduce_bytes, accum)
