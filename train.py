@@ -26,11 +26,8 @@ from tqdm import tqdm
 import parallel
 from data import prepare, shards
 from model import GPT, GPTConfig
+from parallel import plan
 from parallel.comm import CommCounter
-
-# Peak dense bf16 matmul rates, FLOP/s, from the vendors' data sheets (dense, no sparsity). MFU is reported only
-# where the device is listed; a CPU's peak is not a number we can state honestly.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 
 class ConfigError(ValueError):
@@ -191,8 +188,10 @@ def run(cfg, run_dir):
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device, dtype, accum = check_config(cfg, run_dir, world)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if world > 1:
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    if world > 1 or cfg.parallel.name != "single":  # a one-rank FSDP still calls collectives (on itself)
+        # without torchrun there is no rendezvous to read; one process needs none: a local store serves
+        alone = {} if "MASTER_ADDR" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", **alone)
         dist.barrier()  # every rank has checked the run dir before rank 0 writes into it
     if device == "cuda":
         device = f"cuda:{local_rank}"
@@ -227,8 +226,8 @@ def run(cfg, run_dir):
         model.compile()  # in place, so the strategies' hooks and wrappers see the same module
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if dtype == "bfloat16" \
         else contextlib.nullcontext()
-    peak = next((v for k, v in PEAK_FLOPS.items() if device.startswith("cuda") and k in torch.cuda.get_device_name()),
-                None)
+    # MFU only where the datasheet's peak is known (parallel/plan.py GPUS); a CPU's is not a number we can state
+    peak = plan.peak_flops(torch.cuda.get_device_name(device)) if device.startswith("cuda") else None
 
     metrics = Metrics(cfg, run_dir, rank)
     tokens_per_step = t.global_batch_size * t.seq_len
@@ -316,7 +315,7 @@ def run(cfg, run_dir):
             out = parallel.unwrap(model).generate(prompt, t.sample_tokens)
         print0("--- sample ---\n" + enc.decode(out[0].tolist()) + "\n--------------")
     metrics.close()
-    if world > 1:
+    if dist.is_initialized():
         # torch's DDP reducer holds the process group: free it while every peer is still connected (gloo's
         # destructor can otherwise wait forever on a peer that has already gone)
         del model, opt

@@ -12,8 +12,8 @@ tp and fsdp_tp lay the ranks out as a 2D ("dp", "tp") mesh from init_device_mesh
 of `tp` neighbouring ranks, data parallel (DDP for tp, FSDP for fsdp_tp) across the groups.
 
 This file is the small surface train.py uses: apply() wraps the model and builds the optimizer; no_sync(),
-loss_parallel(), clip_grad_norm() and full_state_dict() hide which wrapper holds what; theory() and state_bytes()
-are the accounting.
+loss_parallel(), clip_grad_norm() and full_state_dict() hide which wrapper holds what; theory() (from plan.py) and
+state_bytes() are the accounting.
 """
 import contextlib
 
@@ -49,7 +49,7 @@ def check(p, world, model, seq_len, cpu_bf16=True):
     if p.name == "single":
         return None if world == 1 else \
             f"parallel=single runs in one process, but {world} were launched; pick a parallel strategy"
-    if world < 2:
+    if world < 2 and p.name != "fsdp":  # FSDP on one rank: no sharding, all its machinery, to time it alone
         return (f"parallel={p.name} needs several processes, but this is one; launch it with "
                 f"`torchrun --nproc_per_node=N train.py parallel={p.name}` (N >= 2)")
     if p.impl not in IMPLS:
@@ -331,10 +331,7 @@ def state_bytes(model, opt):
 
 
 def theory(name, n_params, world, reduce_bytes=4, accum=1):
-    """(comm bytes per step, model-state bytes per rank) that the ZeRO paper predicts for fp32 Adam. With gradient
-    accumulation FSDP gathers in every micro-step's forward and backward but reduces once: (2 accum + 1) Psi."""
-    P, N = n_params, world
-    comm = {"single": 0, "ddp": 2, "zero1": 2, "zero2": 2, "fsdp": 2 * accum + 1}[name] * P * reduce_bytes
-    state = {"single": 16 * P, "ddp": 16 * P, "zero1": 8 * P + 8 * P / N, "zero2": 4 * P + 12 * P / N,
-             "fsdp": 16 * P / N}[name]
-    return comm, state
+    """(comm bytes per step, model-state bytes per rank) that the ZeRO paper predicts for fp32 Adam. The formulas
+    live in the planner, parallel/plan.py, with the rest of each strategy's theory."""
+    from parallel import plan  # imported here: `python -m parallel.plan` must find it not yet imported
+    return plan.theory(name, n_params, world, reduce_bytes, accum)

@@ -14,6 +14,7 @@ import argparse
 import csv
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -35,16 +36,24 @@ DEFAULTS = ["train.global_batch_size=32", "train.micro_batch_size=8", "train.max
             "logger.mode=disabled"]
 
 
-def run_one(strategy, impl, world, overrides, run_dir):
+def run_one(strategy, impl, world, overrides, run_dir, timeout=None):
     args = [*DEFAULTS, f"parallel={strategy}", *overrides, f"hydra.run.dir={run_dir}"]
     if impl:
         args.append(f"parallel.impl={impl}")
     n = 1 if strategy == "single" else world
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
            os.path.join(ROOT, "train.py"), *args]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    # a session of its own, so that running out of time ends torchrun's ranks too, not only torchrun
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         start_new_session=True)
+    try:
+        _, stderr = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise
     if p.returncode:
-        sys.exit(f"error: {strategy}/{impl} failed:\n{p.stderr[-3000:]}")
+        sys.exit(f"error: {strategy}/{impl} failed:\n{stderr[-3000:]}")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     steps = [r for r in records if "tok_per_s" in r][1:]  # the first window includes warm-up
