@@ -141,6 +141,11 @@ class GPT(nn.Module):
         logits = self.head(self.norm(x))
         if targets is None:
             return logits
+        return self.loss(logits, targets)
+
+    def loss(self, logits, targets):
+        """Mean cross-entropy over all positions, in float32. A method of its own so that a strategy which splits
+        the vocabulary across ranks can put its own in place (parallel/tp.py)."""
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
     def num_params(self, exclude_embedding=False):

@@ -29,12 +29,8 @@ from tqdm import tqdm
 import parallel
 from data import prepare, shards
 from model import GPT, GPTConfig
-from parallel import launch
+from parallel import launch, plan
 from parallel.comm import CommCounter
-
-# Peak dense bf16 matmul rates, FLOP/s, from the vendors' data sheets (dense, no sparsity). MFU is reported only
-# where the device is listed; a CPU's peak is not a number we can state honestly.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 
 class ConfigError(ValueError):
@@ -49,7 +45,8 @@ def check_config(cfg, run_dir, world):
     if taken:
         raise ConfigError(f"run dir {run_dir} already holds a run ({', '.join(taken)}); "
                           f"choose another with hydra.run.dir=... or move it away")
-    problem = parallel.check(cfg.parallel, world, cfg.model.n_layer, cpu_bf16=bf16_supported("cpu"))
+    problem = parallel.check(cfg.parallel, world, model_config(cfg, vocab_size=prepare.vocab_size(d)), t.seq_len,
+                             cpu_bf16=bf16_supported("cpu"))
     if problem:
         raise ConfigError(problem)
     if t.device not in ("auto", "cpu", "cuda"):
@@ -62,7 +59,7 @@ def check_config(cfg, run_dir, world):
     if t.dtype == "bfloat16" and not bf16_supported(device):
         raise ConfigError(f"train.dtype=bfloat16, but this {device} can't compute in bfloat16; use train.dtype=float32")
     dtype = t.dtype if t.dtype != "auto" else ("bfloat16" if device == "cuda" and bf16_supported(device) else "float32")
-    dp_world = world  # every rank is a data-parallel rank until tensor parallelism splits them
+    dp_world, _ = parallel.degrees(cfg.parallel, world)  # tensor-parallel ranks share one slice of the batch
     for key in ("global_batch_size", "micro_batch_size", "seq_len", "max_steps", "eval_every", "eval_steps",
                 "log_every"):
         if t[key] < 1:
@@ -98,6 +95,12 @@ def check_config(cfg, run_dir, world):
     return device, dtype, t.global_batch_size // (t.micro_batch_size * dp_world)
 
 
+def model_config(cfg, vocab_size):
+    m = cfg.model
+    return GPTConfig(vocab_size=m.vocab_size or vocab_size, block_size=m.block_size, n_layer=m.n_layer,
+                     n_head=m.n_head, n_embd=m.n_embd)
+
+
 def bf16_supported(device):
     if device == "cuda":
         return torch.cuda.is_bf16_supported()
@@ -127,13 +130,14 @@ def evaluate(model, opt, val, cfg, autocast, device, rank, world):
     """Mean loss over eval_steps fixed val batches (the same ones at every evaluation), averaged over ranks."""
     model.eval()
     t = cfg.train
+    dp, tp = parallel.degrees(cfg.parallel, world)
     total = torch.zeros((), device=device)
     for i in range(t.eval_steps):
-        x, y = shards.get_batch(val, "val", t.seed, i, t.micro_batch_size * world, t.seq_len, rank, world)
-        with autocast:
+        x, y = shards.get_batch(val, "val", t.seed, i, t.micro_batch_size * dp, t.seq_len, rank // tp, dp)
+        with autocast, parallel.loss_parallel(cfg.parallel):
             total += model(x.to(device), y.to(device)).float()
     if world > 1:
-        dist.all_reduce(total)
+        dist.all_reduce(total)  # the tp ranks of a dp group hold the same loss: the mean over all ranks is right
     parallel.reshard(model, opt)  # a forward without backward may leave sharded parameters gathered
     model.train()
     return total.item() / (t.eval_steps * world)
@@ -187,8 +191,10 @@ def run(cfg, run_dir):
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device, dtype, accum = check_config(cfg, run_dir, world)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if world > 1:
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    if world > 1 or cfg.parallel.name != "single":  # a one-rank FSDP still calls collectives (on itself)
+        # without torchrun there is no rendezvous to read; one process needs none: a local store serves
+        alone = {} if "MASTER_ADDR" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", **alone)
         dist.barrier()  # every rank has checked the run dir before rank 0 writes into it
         if rank > 0:  # one console: the other ranks print to rank<k>.log in the run dir
             launch.log_to_file(run_dir, rank)
@@ -213,8 +219,7 @@ def run(cfg, run_dir):
         OmegaConf.save(cfg, os.path.join(run_dir, "config.yaml"), resolve=True)
 
     # --- model: built on the meta device and materialized in place, so no full copy is ever made elsewhere
-    mcfg = GPTConfig(vocab_size=cfg.model.vocab_size or meta["vocab_size"], block_size=cfg.model.block_size,
-                     n_layer=cfg.model.n_layer, n_head=cfg.model.n_head, n_embd=cfg.model.n_embd)
+    mcfg = model_config(cfg, meta["vocab_size"])
     mem_before_model = peak_memory_mb(device)  # what the process holds before any model state exists
     with torch.device("meta"):
         model = GPT(mcfg)
@@ -226,13 +231,15 @@ def run(cfg, run_dir):
         model.compile()  # in place, so the strategies' hooks and wrappers see the same module
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if dtype == "bfloat16" \
         else contextlib.nullcontext()
-    peak = next((v for k, v in PEAK_FLOPS.items() if device.startswith("cuda") and k in torch.cuda.get_device_name()),
-                None)
+    # MFU only where the datasheet's peak is known (parallel/plan.py GPUS); a CPU's is not a number we can state
+    peak = plan.peak_flops(torch.cuda.get_device_name(device)) if device.startswith("cuda") else None
 
     metrics = Metrics(cfg, run_dir, rank)
     tokens_per_step = t.global_batch_size * t.seq_len
     reduce_bytes = parallel.DTYPES[cfg.parallel.get("reduce_dtype", "float32")].itemsize
+    dp, tp = parallel.degrees(cfg.parallel, world)
     metrics.log({"step": 0, "n_params": n_params, "param_bytes": n_params * reduce_bytes, "world_size": world,
+                 "dp": dp, "tp": tp,
                  "flops_per_token": flops_per_token, "tokens_per_step": tokens_per_step, "grad_accum": accum,
                  "device": device, "dtype": dtype, "parallel": cfg.parallel.name,
                  "impl": cfg.parallel.get("impl", "scratch"), "mem_mb_before_model": mem_before_model})
@@ -251,13 +258,16 @@ def run(cfg, run_dir):
         lr = lr_at(step - 1, o, t.max_steps)
         for group in opt.param_groups:
             group["lr"] = lr
-        x, y = shards.get_batch(train_tokens, "train", t.seed, step - 1, t.global_batch_size, t.seq_len, rank, world)
+        # each dp group takes its slice of the global batch; the tp ranks within it take the same one
+        x, y = shards.get_batch(train_tokens, "train", t.seed, step - 1, t.global_batch_size, t.seq_len, rank // tp,
+                                dp)
         loss_sum = torch.zeros((), device=device)
         with CommCounter() as comm:  # every collective of the step, ours or torch's
             for micro in range(accum):
                 sl = slice(micro * t.micro_batch_size, (micro + 1) * t.micro_batch_size)
                 # only the last micro-step's backward communicates; the others accumulate gradients locally
-                with parallel.no_sync(model, opt) if micro < accum - 1 else contextlib.nullcontext():
+                with parallel.no_sync(model, opt) if micro < accum - 1 else contextlib.nullcontext(), \
+                        parallel.loss_parallel(cfg.parallel):
                     with autocast:
                         loss = model(x[sl].to(device), y[sl].to(device))
                     # each micro-batch's mean loss weighs 1/accum: the summed gradient is that of the batch's mean
@@ -310,7 +320,7 @@ def run(cfg, run_dir):
             out = parallel.unwrap(model).generate(prompt, t.sample_tokens)
         print0("--- sample ---\n" + enc.decode(out[0].tolist()) + "\n--------------")
     metrics.close()
-    if world > 1:
+    if dist.is_initialized():
         # torch's DDP reducer holds the process group: free it while every peer is still connected (gloo's
         # destructor can otherwise wait forever on a peer that has already gone)
         del model, opt

@@ -1,14 +1,19 @@
 """Parallel strategies, applied to model.py's GPT from outside (model.py imports nothing from here).
 
 Each strategy has two implementations, chosen with `parallel.impl`:
-  scratch  our own, one readable file each: ddp.py (bucketed, overlapped all-reduce), zero.py (ZeRO-1 and ZeRO-2)
-  torch    PyTorch's: DistributedDataParallel; DDP + ZeroRedundancyOptimizer; FSDP2 fully_shard with
-           reshard_after_forward=False (ZeRO-2's communication pattern)
+  scratch  our own, one readable file each: ddp.py (bucketed, overlapped all-reduce), zero.py (ZeRO-1 and ZeRO-2),
+           fsdp.py (ZeRO-3), tp.py (Megatron tensor parallel, sequence parallel, vocab-parallel loss)
+  torch    PyTorch's: DistributedDataParallel; DDP + ZeroRedundancyOptimizer; FSDP2 fully_shard (with
+           reshard_after_forward=False: ZeRO-2's communication pattern); DTensor parallelize_module + loss_parallel
 so every strategy has a reference to be checked and timed against. parallel=single is plain one-process training,
 the reference that tests/ compares every strategy with, numerically.
 
+tp and fsdp_tp lay the ranks out as a 2D ("dp", "tp") mesh from init_device_mesh: tensor parallel inside each group
+of `tp` neighbouring ranks, data parallel (DDP for tp, FSDP for fsdp_tp) across the groups.
+
 This file is the small surface train.py uses: apply() wraps the model and builds the optimizer; no_sync(),
-clip_grad_norm() and full_state_dict() hide which wrapper holds what; theory() and state_bytes() are the accounting.
+loss_parallel(), clip_grad_norm() and full_state_dict() hide which wrapper holds what; theory() (from plan.py) and
+state_bytes() are the accounting.
 """
 import contextlib
 
@@ -17,23 +22,34 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from parallel import tp as tensor_parallel
 from parallel.ddp import DDP
 from parallel.fsdp import FSDP, units_of
-from parallel.zero import ZeroOptimizer
+from parallel.zero import ZeroOptimizer, clip_shards
 
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp")
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp")
 IMPLS = ("scratch", "torch")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def check(p, world, n_layer, cpu_bf16=True):
-    """The error message for parallel settings that can't work on `world` processes, or None."""
+def degrees(p, world):
+    """(data-parallel degree, tensor-parallel degree). Ranks form a (dp, tp) grid, row-major: rank = i_dp * tp + i_tp,
+    so the ranks of a tp group are neighbours (one node's GPUs, on NVLink)."""
+    if p.name in ("tp", "fsdp_tp"):
+        tp = world if p.tp is None else p.tp
+        return world // tp, tp
+    return world, 1
+
+
+def check(p, world, model, seq_len, cpu_bf16=True):
+    """The error message for parallel settings that can't work on `world` processes, or None. `model`: the GPTConfig
+    (layers, heads, widths, padded vocab) the run will build."""
     if p.name not in STRATEGIES:
         return f"parallel={p.name!r}: expected one of {', '.join(STRATEGIES)}"
     if p.name == "single":
         return None if world == 1 else \
             f"parallel=single runs in one process, but {world} were launched; pick a parallel strategy"
-    if world < 2:
+    if world < 2 and p.name != "fsdp":  # FSDP on one rank: no sharding, all its machinery, to time it alone
         return (f"parallel={p.name} needs several processes, but this is one; launch it with "
                 f"`torchrun --nproc_per_node=N train.py parallel={p.name}` (N >= 2)")
     if p.impl not in IMPLS:
@@ -43,7 +59,21 @@ def check(p, world, n_layer, cpu_bf16=True):
     for key in ("reduce_dtype", "param_dtype"):
         if key in p and p[key] not in DTYPES:
             return f"parallel.{key}={p[key]!r}: expected float32 or bfloat16"
-    if p.name == "fsdp":
+    if p.name in ("tp", "fsdp_tp"):
+        tp = world if p.tp is None else p.tp
+        if not (isinstance(tp, int) and tp >= 1 and world % tp == 0):
+            return f"parallel.tp={tp} must divide the number of ranks ({world})"
+        for n, what in ((model.n_head, "attention heads (model.n_head)"),
+                        (4 * model.n_embd, "MLP hidden units (4 x model.n_embd)"),
+                        (model.padded_vocab_size, "padded vocabulary entries")):
+            if n % tp:
+                return f"parallel.tp={tp} must divide the model's {n} {what}: each tp rank holds an equal share"
+        for length, key in ((seq_len, "train.seq_len"), (model.block_size, "model.block_size")):
+            if p.sequence_parallel and length % tp:
+                return (f"parallel.sequence_parallel=true splits each sequence over the {tp} tp ranks, but "
+                        f"{key}={length} is not divisible by {tp}")
+    n_layer = model.n_layer
+    if p.name in ("fsdp", "fsdp_tp"):
         k = p.blocks_per_unit
         if not (isinstance(k, int) and 1 <= k <= n_layer and n_layer % k == 0):
             return (f"parallel.blocks_per_unit={k} can't split the model's {n_layer} blocks into equal units; "
@@ -52,7 +82,7 @@ def check(p, world, n_layer, cpu_bf16=True):
         if not 0 <= p.prefetch < n_units:
             return (f"parallel.prefetch={p.prefetch}: there are {n_units} units, so at most {n_units - 1} can be "
                     f"gathered ahead of the current one")
-        if p.cpu_offload and p.param_dtype == "bfloat16" and not cpu_bf16:
+        if p.get("cpu_offload") and p.param_dtype == "bfloat16" and not cpu_bf16:
             return ("parallel.cpu_offload=true casts the CPU-held shards to param_dtype=bfloat16 on the CPU, which "
                     "this CPU can't do; use parallel.param_dtype=float32")
     return None
@@ -62,6 +92,8 @@ def apply(model, p, make_optimizer, device):
     """Materialize the model (built on the meta device) on `device` and apply the strategy; returns (model to call,
     optimizer). make_optimizer(model) builds the plain optimizer. The global RNG must be seeded: every strategy
     draws the same initial weights as parallel=single."""
+    if p.name in ("tp", "fsdp_tp"):
+        return _apply_tp(model, p, make_optimizer, device)
     if p.name == "fsdp" and p.impl == "scratch":  # materializes only this rank's shards
         return model, FSDP(model, make_optimizer, device, p.blocks_per_unit, p.reshard_after_forward, p.prefetch,
                            DTYPES[p.param_dtype], DTYPES[p.reduce_dtype], p.cpu_offload)
@@ -95,6 +127,88 @@ def apply(model, p, make_optimizer, device):
     from torch.distributed.optim import ZeroRedundancyOptimizer
     template = make_optimizer(model)
     return ddp, ZeroRedundancyOptimizer(template.param_groups, optimizer_class=type(template))
+
+
+def _apply_tp(model, p, make_optimizer, device):
+    """Tensor parallel over the "tp" dimension of a (dp, tp) mesh; over "dp": DDP (parallel=tp) or FSDP
+    (parallel=fsdp_tp). The scratch code runs on the mesh's process groups."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    dp, tp = degrees(p, dist.get_world_size())
+    mesh = init_device_mesh(torch.device(device).type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    if p.impl == "scratch":
+        init_param = tensor_parallel.shard(model, mesh.get_group("tp"), p.sequence_parallel)
+        model.mesh, model.sequence_parallel = mesh, p.sequence_parallel  # for clipping and gathering
+        if p.name == "fsdp_tp":
+            return model, FSDP(model, make_optimizer, device, p.blocks_per_unit, p.reshard_after_forward,
+                               p.prefetch, DTYPES[p.param_dtype], DTYPES[p.reduce_dtype], group=mesh.get_group("dp"),
+                               init_param=init_param)
+        tensor_parallel.materialize(model, init_param, device)
+        if dp > 1:
+            model = DDP(model, p.bucket_mb, DTYPES[p.reduce_dtype], group=mesh.get_group("dp"))
+        return model, make_optimizer(model)
+    model.to_empty(device=device)
+    model.init_weights()
+    _torch_tp(model, mesh["tp"], p.sequence_parallel)
+    if p.name == "fsdp_tp":
+        mp = MixedPrecisionPolicy(param_dtype=DTYPES[p.param_dtype], reduce_dtype=DTYPES[p.reduce_dtype])
+        model = _fully_shard(model, p.blocks_per_unit, mesh=mesh["dp"], mp_policy=mp,
+                             reshard_after_forward=p.reshard_after_forward)
+    elif dp > 1:
+        # torch's DistributedDataParallel can't take DTensor parameters; its composable replicate() (built on
+        # FSDP2's machinery, gradients all-reduced over the dp mesh) can
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+        model = replicate(model, mesh=mesh["dp"])
+    return model, make_optimizer(model)
+
+
+def _torch_tp(model, mesh, sequence_parallel):
+    """The same sharding through DTensor: torch's column/row-parallel styles, its vocab-parallel loss
+    (loss_parallel, entered by train.py) and its sequence-parallel norms."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+    seq = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout between layers
+    plan = {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            "head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)}
+    for i in range(len(model.blocks)):
+        b = f"blocks.{i}."
+        # one DTensor input per attention / MLP, so q, k and v's input gradients are summed before one all-reduce
+        plan[b + "attn"] = PrepareModuleInput(input_layouts=(seq, None, None),
+                                              desired_input_layouts=(Replicate(), None, None))
+        plan[b + "mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+        plan.update({b + f"attn.{n}": ColwiseParallel() for n in ("q", "k", "v")})
+        plan.update({b + "attn.proj": RowwiseParallel(output_layouts=seq), b + "mlp.up": ColwiseParallel(),
+                     b + "mlp.down": RowwiseParallel(output_layouts=seq)})
+        if sequence_parallel:
+            plan.update({b + "norm1": SequenceParallel(), b + "norm2": SequenceParallel()})
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    parallelize_module(model, mesh, plan)
+    if not sequence_parallel:
+        # the norm gains are replicated; as DTensors (Replicate) too, so that every gradient is a DTensor on the same
+        # mesh, as torch's gradient clipping needs, with the norm's input and output plain local tensors as before
+        from torch.distributed.tensor import DTensor, distribute_module
+        for name, m in model.named_modules():
+            if isinstance(m, torch.nn.RMSNorm):
+                distribute_module(m, mesh, input_fn=lambda m, args, mesh: tuple(
+                    DTensor.from_local(a, mesh, [Replicate()], run_check=False) for a in args),
+                    output_fn=lambda m, out, mesh: out.to_local())
+    # the loss comes back as a replicated DTensor: hand train.py a plain tensor (its gradient flows through
+    # to_local); called without targets (sampling), the model returns the full logits, not a vocab-sharded DTensor
+    model.register_forward_hook(lambda m, args, kwargs, out: out.to_local() if tensor_parallel.has_targets(args, kwargs)
+                                else out.full_tensor(), with_kwargs=True)
+    if sequence_parallel:
+        tensor_parallel.pad_sequence_for_sampling(model, mesh.size())
+
+
+def loss_parallel(p):
+    """Context for forward and backward: torch's tensor parallel computes the loss on vocab-sharded logits only
+    inside torch's loss_parallel()."""
+    if p.name in ("tp", "fsdp_tp") and p.impl == "torch":
+        from torch.distributed.tensor.parallel import loss_parallel as torch_loss_parallel
+        return torch_loss_parallel()
+    return contextlib.nullcontext()
 
 
 def _fully_shard(model, blocks_per_unit, **kw):
@@ -156,22 +270,46 @@ def reshard(model, opt):
 
 def clip_grad_norm(model, opt, max_norm):
     """Clip to max_norm (inf: don't) and return the global gradient norm, wherever the gradients live."""
+    inner = unwrap(model)
+    if hasattr(inner, "mesh"):  # our tensor parallel
+        return _clip_tp(inner, opt, max_norm)
     if hasattr(opt, "clip_grad_norm_"):
         return opt.clip_grad_norm_(max_norm)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
+def _clip_tp(model, opt, max_norm):
+    """Our tensor parallel's gradient norm over the whole mesh. Gradients: .grad (parallel=tp: identical across dp
+    after DDP's all-reduce, so summed over tp only) or FSDP's shard segments (fsdp_tp: disjoint across dp too, so
+    summed over every rank). Under sequence parallel the norm gains' gradients are first summed over tp."""
+    tp_group, tp = model.mesh.get_group("tp"), model.mesh["tp"].size()
+    named = list(model.named_parameters())
+    if isinstance(opt, FSDP):
+        pieces = [(s.grad, tensor_parallel.shard_dim(n) is None) for n, p in named for s in opt.segments.get(p, [])]
+        group = None
+    else:
+        pieces, group = [(p.grad, tensor_parallel.shard_dim(n) is None) for n, p in named], tp_group
+    if model.sequence_parallel:
+        tensor_parallel.sync_replicated_grads([g for g, replicated in pieces if replicated], tp_group)
+    return clip_shards([g for g, _ in pieces], max_norm, group, model.mesh.device_type,
+                       weights=[1 / tp if replicated else 1.0 for _, replicated in pieces])
+
+
 def full_state_dict(model, opt):
-    """The whole model's weights as plain CPU tensors. A collective under FSDP: every rank must call it."""
+    """The whole model's weights as plain CPU tensors. A collective under FSDP and TP: every rank must call it."""
+    inner = unwrap(model)
+    if hasattr(inner, "mesh"):  # our tensor parallel: the tp-local tensors (FSDP: gathered over dp first)
+        local = opt.full_state_dict(inner) if isinstance(opt, FSDP) else inner.state_dict()
+        return tensor_parallel.gather_full(local, inner.mesh.get_group("tp"), inner.mesh.device_type)
     if isinstance(opt, FSDP):
         return opt.full_state_dict(model)
-    model = unwrap(model)
+    model = inner
     if isinstance(model, FSDPModule):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:
-        sd = model.state_dict()
+        sd = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
     return {k: v.detach().cpu().clone() for k, v in sd.items()}  # clone: views would save whole flat buffers
 
 
@@ -193,10 +331,7 @@ def state_bytes(model, opt):
 
 
 def theory(name, n_params, world, reduce_bytes=4, accum=1):
-    """(comm bytes per step, model-state bytes per rank) that the ZeRO paper predicts for fp32 Adam. With gradient
-    accumulation FSDP gathers in every micro-step's forward and backward but reduces once: (2 accum + 1) Psi."""
-    P, N = n_params, world
-    comm = {"single": 0, "ddp": 2, "zero1": 2, "zero2": 2, "fsdp": 2 * accum + 1}[name] * P * reduce_bytes
-    state = {"single": 16 * P, "ddp": 16 * P, "zero1": 8 * P + 8 * P / N, "zero2": 4 * P + 12 * P / N,
-             "fsdp": 16 * P / N}[name]
-    return comm, state
+    """(comm bytes per step, model-state bytes per rank) that the ZeRO paper predicts for fp32 Adam. The formulas
+    live in the planner, parallel/plan.py, with the rest of each strategy's theory."""
+    from parallel import plan  # imported here: `python -m parallel.plan` must find it not yet imported
+    return plan.theory(name, n_params, world, reduce_bytes, accum)

@@ -1,4 +1,4 @@
-"""Benchmark every data-parallel strategy, ours beside torch's, in one run: throughput, memory and communication,
+"""Benchmark every strategy, ours beside torch's, in one run: throughput, memory and communication,
 and then FSDP's knobs (prefetch, reshard_after_forward, wrap granularity, activation checkpointing).
 
     python -m parallel.bench                          # world size 2, gpt_tiny on the default corpus, 2 rounds
@@ -14,6 +14,7 @@ import argparse
 import csv
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -23,7 +24,8 @@ import time
 import parallel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = [("single", None)] + [(s, i) for s in ("ddp", "zero1", "zero2", "fsdp") for i in ("scratch", "torch")]
+CONFIGS = [("single", None)] + [(s, i) for s in ("ddp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp")
+                                 for i in ("scratch", "torch")]
 # (label, overrides) for our FSDP, each against the default fsdp row above
 KNOBS = [("prefetch=0", ["parallel.prefetch=0"]),
          ("reshard_after_forward=false", ["parallel.reshard_after_forward=false"]),
@@ -34,16 +36,24 @@ DEFAULTS = ["train.global_batch_size=32", "train.micro_batch_size=8", "train.max
             "logger.mode=disabled"]
 
 
-def run_one(strategy, impl, world, overrides, run_dir):
+def run_one(strategy, impl, world, overrides, run_dir, timeout=None):
     args = [*DEFAULTS, f"parallel={strategy}", *overrides, f"hydra.run.dir={run_dir}"]
     if impl:
         args.append(f"parallel.impl={impl}")
     n = 1 if strategy == "single" else world
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
            os.path.join(ROOT, "train.py"), *args]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    # a session of its own, so that running out of time ends torchrun's ranks too, not only torchrun
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         start_new_session=True)
+    try:
+        _, stderr = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise
     if p.returncode:
-        sys.exit(f"error: {strategy}/{impl} failed:\n{p.stderr[-3000:]}")
+        sys.exit(f"error: {strategy}/{impl} failed:\n{stderr[-3000:]}")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     steps = [r for r in records if "tok_per_s" in r][1:]  # the first window includes warm-up
@@ -54,15 +64,23 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=2, help="ranks per multi-rank job (default 2)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of every configuration")
+    ap.add_argument("--strategies", default=",".join(s for s, _ in CONFIGS[::2]),
+                    help="comma-separated subset to run (default: all; single is always run, FSDP's knobs with fsdp)")
     ap.add_argument("--out", default=os.path.join(ROOT, "outputs", "bench"), help="results go in a new folder here")
     ap.add_argument("overrides", nargs="*", help="train.py overrides for every job, e.g. model=gpt_125m")
     a = ap.parse_args()
     if a.world < 2 or a.rounds < 1:
         sys.exit("error: --world must be at least 2 and --rounds at least 1")
+    chosen = {"single", *a.strategies.split(",")}
+    unknown = chosen - set(parallel.STRATEGIES)
+    if unknown:
+        sys.exit(f"error: --strategies {','.join(sorted(unknown))}: expected some of {','.join(parallel.STRATEGIES)}")
+    configs = [(s, i) for s, i in CONFIGS if s in chosen]
+    knobs = KNOBS if "fsdp" in chosen else []
     out = os.path.join(a.out, time.strftime("%Y-%m-%d_%H-%M-%S"))
     os.makedirs(out)  # a new folder: never overwrites an earlier benchmark
 
-    jobs = [(s, i, []) for s, i in CONFIGS] + [("fsdp", "scratch", o) for _, o in KNOBS]
+    jobs = [(s, i, []) for s, i in configs] + [("fsdp", "scratch", o) for _, o in knobs]
     results = {k: [] for k in range(len(jobs))}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):
@@ -82,43 +100,49 @@ def main():
         return last["peak_mem_mb"] - start["mem_mb_before_model"]
 
     rows = []
-    for k, (strategy, impl) in enumerate(CONFIGS):
+    for k, (strategy, impl) in enumerate(configs):
         start, _, last = results[k][-1]
         world = start["world_size"]
-        comm_theory, state_theory = parallel.theory(strategy, start["n_params"], world, start["param_bytes"] //
-                                                    start["n_params"], start["grad_accum"])
-        torch_tok_s = tok_s(CONFIGS.index((strategy, "torch"))) if impl == "scratch" else None
+        # the ZeRO paper's formulas cover data parallelism; tensor parallel's volume depends on the activations
+        comm_theory, state_theory = (None, None) if start.get("tp", 1) > 1 else parallel.theory(
+            strategy, start["n_params"], world, start["param_bytes"] // start["n_params"], start["grad_accum"])
+        torch_tok_s = tok_s(configs.index((strategy, "torch"))) if impl == "scratch" else None
         rows.append({
-            "strategy": strategy, "impl": impl or "-", "world": world, "tok_per_s": round(tok_s(k)),
+            "strategy": strategy, "impl": impl or "-", "world": world, "dp x tp": f"{start['dp']} x {start['tp']}",
+            "tok_per_s": round(tok_s(k)),
             "vs_torch": f"{tok_s(k) / torch_tok_s:.2f}" if torch_tok_s else "",
             "peak_MiB": f"{peak_mib(k):.0f}",
             "state_MiB_per_rank": f"{last['state_bytes_max'] / 2**20:.2f}",
-            "state_vs_theory": f"{last['state_bytes_max'] / state_theory:.3f}",
+            "state_vs_theory": f"{last['state_bytes_max'] / state_theory:.3f}" if state_theory else "",
             "comm_MiB_per_step": f"{last['comm_bytes'] / 2**20:.2f}",
             "comm_in_psi": f"{last['comm_bytes'] / start['param_bytes']:.3f}",
             "comm_vs_theory": f"{last['comm_bytes'] / comm_theory:.3f}" if comm_theory else "",
         })
-    base = CONFIGS.index(("fsdp", "scratch"))
-    knob_jobs = [("default", base)] + [(label, len(CONFIGS) + i) for i, (label, _) in enumerate(KNOBS)]
-    knob_rows = [{"fsdp (scratch) knob": label, "tok_per_s": round(tok_s(k)),
-                  "vs_default": f"{tok_s(k) / tok_s(base):.2f}", "peak_MiB": f"{peak_mib(k):.0f}",
-                  "comm_in_psi": f"{results[k][-1][2]['comm_bytes'] / results[k][-1][0]['param_bytes']:.3f}"}
-                 for label, k in knob_jobs]
+    knob_rows = []
+    if knobs:
+        base = configs.index(("fsdp", "scratch"))
+        knob_jobs = [("default", base)] + [(label, len(configs) + i) for i, (label, _) in enumerate(knobs)]
+        knob_rows = [{"fsdp (scratch) knob": label, "tok_per_s": round(tok_s(k)),
+                      "vs_default": f"{tok_s(k) / tok_s(base):.2f}", "peak_MiB": f"{peak_mib(k):.0f}",
+                      "comm_in_psi": f"{results[k][-1][2]['comm_bytes'] / results[k][-1][0]['param_bytes']:.3f}"}
+                     for label, k in knob_jobs]
     P = results[0][0][0]["n_params"]
     note = (f"{P:,} parameters; theory (ZeRO paper, fp32 Adam): comm 2 Psi for ddp/zero1/zero2, (2 x accumulation "
-            f"+ 1) Psi for fsdp; state 16P, 8P+8P/N, 4P+12P/N, 16P/N. peak_MiB: rank 0's "
+            f"+ 1) Psi for fsdp; state 16P, 8P+8P/N, 4P+12P/N, 16P/N (tp and fsdp_tp: activations travel too, "
+            f"see the planner). peak_MiB: rank 0's "
             f"peak RSS above what it held before the model was built. Overrides: {' '.join(a.overrides) or '(none)'}; "
             f"{a.rounds} round(s).")
-    text = markdown(rows) + "\n\n" + markdown(knob_rows) + "\n\n" + note
+    text = markdown(rows) + ("\n\n" + markdown(knob_rows) if knob_rows else "") + "\n\n" + note
     print("\n" + text)
     with open(os.path.join(out, "bench.md"), "w") as f:
         f.write(text + "\n")
-    for name, table in (("bench.csv", rows), ("bench_knobs.csv", knob_rows)):
+    tables = [("bench.csv", rows)] + ([("bench_knobs.csv", knob_rows)] if knob_rows else [])
+    for name, table in tables:
         with open(os.path.join(out, name), "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(table[0]))
             w.writeheader()
             w.writerows(table)
-    print(f"\nwritten: {out}/bench.md, bench.csv, bench_knobs.csv")
+    print(f"\nwritten: {out}/bench.md, " + ", ".join(name for name, _ in tables))
 
 
 def markdown(rows):

@@ -14,6 +14,7 @@ With Psi = bytes of all parameters in the communicated dtype: DDP moves 2 Psi pe
 from collections import Counter
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -42,7 +43,9 @@ VOLUME = {
     "broadcast_": ("broadcast", lambda a: _nbytes(a[0])),
     "broadcast": ("broadcast", lambda a: _nbytes(a[0])),
 }
-IGNORED = {"barrier", "monitored_barrier_", "wait_tensor", "send", "recv_", "recv_any_source_"}
+# not collectives of their own: synchronization, point-to-point, and the wrapper that gives a functional result autograd
+IGNORED = {"barrier", "monitored_barrier_", "wait_tensor", "send", "recv_", "recv_any_source_", "isend", "irecv",
+           "batch_p2p_ops", "_wrap_tensor_autograd"}
 
 
 class CommCounter(TorchDispatchMode):
@@ -53,6 +56,10 @@ class CommCounter(TorchDispatchMode):
         self.bytes, self.by_kind, self.calls, self.log = 0, Counter(), Counter(), []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            # a DTensor op: let DTensor run it with this mode still active, so that the collectives it issues
+            # inside (loss_parallel's reductions, redistributions) are counted here too
+            return NotImplemented
         if func.namespace in ("c10d", "_c10d_functional"):
             name = func._schema.name.split("::")[1]
             if name in VOLUME:

@@ -46,7 +46,11 @@ def units_of(model, blocks_per_unit):
 
 class FSDP:
     def __init__(self, model, make_optimizer, device, blocks_per_unit=1, reshard_after_forward=True, prefetch=1,
-                 param_dtype=torch.float32, reduce_dtype=torch.float32, cpu_offload=False, group=None):
+                 param_dtype=torch.float32, reduce_dtype=torch.float32, cpu_offload=False, group=None,
+                 init_param=None):
+        # init_param(name, tensor) fills a parameter from the meta device (default: model.init_param); tensor
+        # parallelism passes one that fills the local tp shard
+        init_param = init_param or getattr(model, "init_param", None)
         self.group, self.device, self.prefetch = group, torch.device(device), prefetch
         self.reshard_after_forward, self.param_dtype, self.reduce_dtype = reshard_after_forward, param_dtype, \
             reduce_dtype
@@ -68,7 +72,7 @@ class FSDP:
             for p, o in zip(params, u.offsets):  # fill this rank's slice, one full parameter at a time
                 full = torch.empty(p.shape, dtype=torch.float32, device=self.device)
                 if on_meta:
-                    model.init_param(names[p], full)
+                    init_param(names[p], full)
                 else:
                     full.copy_(p.data)
                 a, z = max(o, lo), min(o + p.numel(), hi)
@@ -93,6 +97,7 @@ class FSDP:
                         m._buffers[k] = torch.empty_like(b, device=self.device)
             model.init_buffers()
         template = make_optimizer(model)  # over the new parameters; it holds no state until a step, so costs nothing
+        self.segments = segments  # {parameter: [views of this rank's shard]}, each .grad a view of the grad shard
         self.optimizer = sharded_optimizer(template, segments)
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
         for i, u in enumerate(self.units):

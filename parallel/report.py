@@ -7,7 +7,7 @@ A job is a subfolder of the sweep (Hydra's job number); its config.yaml and metr
 so it works on any sweep, finished or not, however it was launched. Written into <sweep>/report/ (rewritten on a
 rerun; nothing else is touched): report.md, and loss.png (training loss per step, validation loss dotted),
 throughput.png (tokens/s), memory.png (model state per rank), comm.png (bytes communicated per optimizer step), the
-last two beside what parallel.theory() predicts. Jobs that did not finish are listed with how far they got.
+last two beside what the planner (parallel/plan.py) predicts. Jobs that did not finish are listed with how far they got.
 """
 import argparse
 import json
@@ -17,7 +17,7 @@ import sys
 
 from omegaconf import OmegaConf
 
-import parallel
+from parallel import plan
 from parallel.bench import markdown
 
 MiB = 2**20
@@ -71,7 +71,7 @@ def labels(jobs):
 
 def summarize(job, label):
     """The job's row: what it measured and how it compares with the theory (blank where there is none)."""
-    recs, cfg = job["records"], job["cfg"]
+    recs = job["records"]
     steps = [r for r in recs if "loss" in r]
     row = {"job": job["name"], "label": label, "status": status(job), "world": "", "steps": len(steps) and
            steps[-1]["step"], "loss": "", "val_loss": "", "tok_per_s": "", "peak_MiB": "", "state_MiB_per_rank": "",
@@ -80,7 +80,7 @@ def summarize(job, label):
         return row
     start, last = recs[0], steps[-1]
     vals = [r["val_loss"] for r in recs if "val_loss" in r]
-    comm_theory, state_theory = theory(start)
+    comm_theory, state_theory = theory(job)
     row.update(world=start["world_size"], loss=f"{last['loss']:.4f}", val_loss=f"{vals[-1]:.4f}" if vals else "",
                tok_per_s=round(tok_per_s(steps)), peak_MiB=f"{last['peak_mem_mb'] - start['mem_mb_before_model']:.0f}",
                state_MiB_per_rank=f"{last['state_bytes_max'] / MiB:.2f}",
@@ -107,14 +107,14 @@ def tok_per_s(steps):
     return statistics.median(r["tok_per_s"] for r in (steps[1:] or steps))
 
 
-def theory(start):
-    """(comm bytes per step, state bytes per rank) that parallel.theory() predicts; None for a strategy it
-    doesn't cover."""
-    try:
-        return parallel.theory(start["parallel"], start["n_params"], start["world_size"],
-                               start["param_bytes"] // start["n_params"], start["grad_accum"])
-    except KeyError:
-        return None, None
+def theory(job):
+    """(comm bytes per step, state bytes per rank) that the planner (parallel/plan.py) predicts for the job's own
+    resolved config at its world size: the ZeRO paper's formulas, and tensor parallel's activations."""
+    start = job["records"][0]
+    cfg = OmegaConf.load(os.path.join(job["dir"], "config.yaml"))
+    cfg.train.dtype = start["dtype"]  # what the run resolved `auto` to (the planner assumes a GPU's bf16)
+    predicted = plan.predict(cfg, start["world_size"])
+    return predicted["comm_total"], predicted["state"]
 
 
 def plot(jobs, rows, out):
@@ -152,7 +152,7 @@ def plot(jobs, rows, out):
             ("state_bytes_max", 1, "memory.png", "model state per rank, MiB (largest rank)"),
             ("comm_bytes", 0, "comm.png", "communication per optimizer step, MiB (rank 0)")):
         measured = [[x for x in j["records"] if key in x][-1][key] / MiB for j, _ in done]
-        predicted = [(theory(j["records"][0])[theory_index] or 0) / MiB for j, _ in done]
+        predicted = [(theory(j)[theory_index] or 0) / MiB for j, _ in done]
         fig, ax = plt.subplots(figsize=(7, 0.9 + 0.6 * len(done)))
         ys = range(len(done))
         ax.barh([y - 0.2 for y in ys], measured, height=0.4, label="measured", color="C0")
@@ -189,7 +189,7 @@ def main(argv=None):
     note = ("tok_per_s: median of the logged windows after the first; peak_MiB: rank 0's peak memory above what it "
             "held before the model was built (CUDA allocated, or RSS on CPU); state: the largest rank's parameters, "
             "gradients and optimizer state; comm: rank 0's bytes per optimizer step, in Psi = parameter bytes; "
-            "theory: parallel.theory() (ZeRO paper, fp32 Adam).")
+            "theory: the planner, parallel/plan.py (the ZeRO paper's formulas; tensor parallel's activations).")
     text = f"# Sweep {a.sweep_dir}\n\n{markdown(rows)}\n\n{note}\n\n" + \
         "".join(f"![{os.path.basename(p)}]({os.path.basename(p)})\n" for p in pngs)
     with open(os.path.join(out, "report.md"), "w") as f:

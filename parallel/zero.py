@@ -56,10 +56,13 @@ def sharded_optimizer(template, segments):
 
 
 @torch.no_grad()
-def clip_shards(grad_shards, max_norm, group=None, device=None):
+def clip_shards(grad_shards, max_norm, group=None, device=None, weights=None):
     """The global gradient norm from every rank's shards (one all-reduce of a scalar), then torch's clipping rule
-    (scale by max_norm / (norm + 1e-6) where that is below 1). Padding is zero, so it adds nothing."""
-    sq = sum(g.float().pow(2).sum() for g in grad_shards)
+    (scale by max_norm / (norm + 1e-6) where that is below 1). Padding is zero, so it adds nothing. `weights`: how
+    much each shard's squares count, for pieces that several ranks of `group` hold (tensor parallel's replicated
+    norm gains count 1/tp on each of the tp ranks)."""
+    weights = weights or [1.0] * len(grad_shards)
+    sq = sum(w * g.float().pow(2).sum() for g, w in zip(grad_shards, weights))
     sq = sq.to(device) if device is not None else sq  # shards offloaded to CPU; nccl reduces device tensors
     dist.all_reduce(sq, group=group)
     norm = sq.sqrt()

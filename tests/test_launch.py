@@ -121,7 +121,7 @@ def test_killed_rank_fails_only_its_job(tmp_path):
     os.kill(pid, signal.SIGKILL)
     stdout, stderr = p.communicate(timeout=300)
     assert p.returncode != 0  # a sweep with a failed job fails, at its end
-    assert f"error: job #0 (" in stderr and "rank 1 killed by SIGKILL" in stderr, stderr[-3000:]
+    assert "error: job #0 (" in stderr and "rank 1 killed by SIGKILL" in stderr, stderr[-3000:]
     assert "job #1" not in stderr
     assert [r["step"] for r in read_metrics(os.path.join(sweep_dir, "1")) if "loss" in r] == [1, 2]
     rows = report.main([sweep_dir])  # job 0 may have died before or after writing its first files
@@ -146,7 +146,7 @@ def test_report(sweep):
                                                                                  ("fsdp", "done", 2, STEPS)]
     for num, row in enumerate(rows):
         records = read_metrics(os.path.join(sweep, str(num)))
-        start, steps = records[0], [r for r in records if "loss" in r]
+        steps = [r for r in records if "loss" in r]
         assert row["loss"] == f"{steps[-1]['loss']:.4f}"
         assert row["val_loss"] == f"{[r['val_loss'] for r in records if 'val_loss' in r][-1]:.4f}"
         assert row["tok_per_s"] == round(statistics.median(r["tok_per_s"] for r in steps[1:]))

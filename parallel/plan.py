@@ -1,0 +1,431 @@
+"""Plan a run before paying for it: per-rank memory, communication per step, step time and MFU of any model on any
+layout and cluster, from each strategy's theory. Pure arithmetic: nothing is allocated, nothing communicated.
+
+    python -m parallel.plan                       # conf/plan.yaml: gpt_1p3b, parallel=fsdp, 8 H100s over NVLink
+    python -m parallel.plan model=gpt_1p3b parallel=fsdp parallel.param_dtype=bfloat16 plan.world=64 plan.link=pcie
+    python -m parallel.plan parallel=fsdp_tp parallel.tp=8 plan.world=64
+
+The settings are conf/plan.yaml: the training config as train.py composes it (model, data for the vocab, parallel,
+optim, train) plus `plan.*`, the cluster. It prints the chosen layout in detail, then every layout of the same
+world ranked by predicted step time, those that fit first.
+
+The theory, per rank, with P the parameters a rank computes with (all of them, or 1/tp of the matrices under
+tensor parallelism) and N the data-parallel ranks (fp32 master weights and gradients):
+- state: parameters 4P + gradients 4P + optimizer state (AdamW 8P), each whole or split over N (SHARDED: ZeRO's
+  stages); parallel.theory() is this with fp32 Adam, for the tests and the benchmark.
+- comm: bytes per optimizer step as parallel/comm.py counts them (all-reduce 2x its tensor, reduce-scatter its
+  input, all-gather its output), split by collective and by mesh dimension (dp, tp).
+- time: compute at a stated fraction of the peak, plus the communication each strategy can't hide behind it.
+tests/test_plan.py checks state and comm against real runs' counters at world sizes 1, 2 and 4.
+"""
+import math
+import os
+import sys
+from collections import Counter
+
+import torch
+
+import parallel
+from data import prepare
+from model import GPT, GPTConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+# Per GPU, from NVIDIA's datasheets: dense bf16 peak FLOP/s (not the 2:4-sparsity figure, twice as large), memory
+# (bytes), and link rates. The datasheets give each link's total over both directions; a ring sends and receives at
+# once, so the rate one way, half the total, is what bounds it (bytes/s below):
+#   H100 SXM5:      989 TFLOP/s, 80 GB HBM3,   NVLink 4 900 GB/s -> 450 each way, PCIe Gen5 x16 128 GB/s -> 64
+#   H200 SXM:       989 TFLOP/s, 141 GB HBM3e, NVLink 4 900 GB/s -> 450,          PCIe Gen5 x16 128 GB/s -> 64
+#   A100 SXM4 80GB: 312 TFLOP/s, 80 GB HBM2e,  NVLink 3 600 GB/s -> 300,          PCIe Gen4 x16  64 GB/s -> 32
+GPUS = {"h100": {"peak": 989e12, "memory": 80e9, "nvlink": 450e9, "pcie": 64e9},
+        "h200": {"peak": 989e12, "memory": 141e9, "nvlink": 450e9, "pcie": 64e9},
+        "a100": {"peak": 312e12, "memory": 80e9, "nvlink": 300e9, "pcie": 32e9}}
+LINKS = ("nvlink", "pcie")  # within a node, at the GPU's own rate above
+# Between nodes, per GPU, each way: NDR InfiniBand, 400 Gb/s per port (NVIDIA ConnectX-7 datasheet), one port per
+# GPU as in a DGX H100: 50 GB/s
+NETWORKS = {"infiniband": 50e9}
+
+
+def peak_flops(device_name):
+    """The datasheet's dense bf16 peak of a GPU named as torch.cuda.get_device_name() names it, or None."""
+    return next((g["peak"] for k, g in GPUS.items() if k in device_name.lower()), None)
+
+
+# Which parts of the model state a strategy splits over its data-parallel ranks (the rest is whole on every rank)
+SHARDED = {"single": (), "ddp": (), "zero1": ("optimizer",), "zero2": ("gradients", "optimizer"),
+           "fsdp": ("parameters", "gradients", "optimizer"), "tp": (),
+           "fsdp_tp": ("parameters", "gradients", "optimizer")}
+STRATEGIES = tuple(SHARDED)
+TP_STRATEGIES = ("tp", "fsdp_tp")  # the others have tp = 1
+# Settings the theory reads from parallel.*, with the value a strategy without that setting behaves as
+KNOBS = {"reduce_dtype": "float32", "param_dtype": "float32", "reshard_after_forward": True, "prefetch": 1,
+         "sequence_parallel": False}
+
+
+def optimizer_bytes(optim):
+    """Optimizer state per parameter: AdamW keeps two fp32 moments; SGD one momentum buffer, or nothing."""
+    if optim.name == "sgd":
+        return 4 if optim.momentum else 0
+    return 8
+
+
+# --- the model
+def model_shape(cfg):
+    """The configured GPT's shape, its exact parameter count and its training FLOPs per token (model.py's formula),
+    from the model itself built on the meta device (no memory)."""
+    m = cfg.model
+    vocab = m.vocab_size or prepare.vocab_size(cfg.data)  # null: the tokenizer's, as train.py does
+    with torch.device("meta"):
+        gpt = GPT(GPTConfig(vocab_size=vocab, block_size=m.block_size, n_layer=m.n_layer, n_head=m.n_head,
+                            n_embd=m.n_embd))
+    return {"n_layer": m.n_layer, "n_embd": m.n_embd, "n_head": m.n_head, "vocab": gpt.cfg.padded_vocab_size,
+            "n_params": gpt.num_params(), "flops_per_token": gpt.flops_per_token(cfg.train.seq_len)}
+
+
+def params_per_rank(shape, tp):
+    """P = 2 V d (embedding, untied head) + L (12 d^2 + 2 d) (q, k, v, proj d x d; up d x 4d, down 4d x d; two norm
+    gains) + d (final norm). Tensor parallelism splits every matrix over tp ranks (heads, MLP columns, vocab rows)
+    and keeps the (2L + 1) d norm gains whole on each."""
+    replicated = (2 * shape["n_layer"] + 1) * shape["n_embd"]
+    return (shape["n_params"] - replicated) / tp + replicated
+
+
+# --- the theory of each strategy: state and communication
+def state_bytes(strategy, P, dp, opt_bytes=8):
+    """Model state per rank: {parameters, gradients, optimizer: bytes}, for P parameters on this rank's tp slice."""
+    whole = {"parameters": 4 * P, "gradients": 4 * P, "optimizer": opt_bytes * P}
+    return {k: v / dp if k in SHARDED[strategy] else v for k, v in whole.items()}
+
+
+def comm_bytes(strategy, P, accum, knobs=KNOBS, shape=None, micro=0, seq=0, act_bytes=4, tp=1, dp=1):
+    """Bytes per optimizer step per rank, as parallel/comm.py counts them: Counter {(dim, collective): bytes}.
+    Non-final micro-steps of gradient accumulation reduce no gradients (no_sync)."""
+    rb, pb = DTYPE_BYTES[knobs["reduce_dtype"]], DTYPE_BYTES[knobs["param_dtype"]]
+    c = Counter()
+    if strategy == "ddp" or (strategy == "tp" and dp > 1):  # one all-reduce of the gradients (Li et al., 2020)
+        c["dp", "all_reduce"] += 2 * P * rb
+    elif strategy in ("zero1", "zero2"):  # reduce-scatter of the gradients, all-gather of the updated fp32 weights
+        c["dp", "reduce_scatter"] += P * rb
+        c["dp", "all_gather"] += 4 * P
+    elif strategy in ("fsdp", "fsdp_tp"):  # each micro-step gathers for forward and again for backward
+        c["dp", "all_gather"] += accum * (2 if knobs["reshard_after_forward"] else 1) * P * pb
+        c["dp", "reduce_scatter"] += P * rb
+    if tp > 1:
+        c.update(tp_comm_bytes(shape, micro, seq, act_bytes, accum, knobs["sequence_parallel"]))
+    return c
+
+
+def tp_comm_bytes(shape, micro, seq, act_bytes, accum, sequence_parallel):
+    """Megatron-style tensor parallelism (Shoeybi et al., 2019; Korthikanti et al., 2022), per optimizer step:
+    - each block, per micro-batch: an all-reduce after attention's and after the MLP's row-parallel layer in
+      forward, and of the gradient entering each column-parallel layer in backward: 4 x 2 x (b s d) activations
+    - the vocab-parallel embedding: one all-reduce of its output in forward; the head's input gradient: one in
+      backward
+    - the vocab-parallel loss: the rows' max (b s fp32), then [sum of exp, target logit] (2 b s fp32)
+    With sequence parallelism every activation all-reduce is an all-gather plus a reduce-scatter moving the same
+    counted bytes; the norm gains, now fed different tokens on each rank, get their gradients all-reduced once per
+    step: (2L + 1) d fp32."""
+    L, d = shape["n_layer"], shape["n_embd"]
+    act = micro * seq * d * act_bytes  # one activation tensor of the micro-batch
+    acts = accum * (4 * 2 * L + 2 + 2) * act
+    c = Counter()
+    if sequence_parallel:
+        c["tp", "all_gather"] += acts / 2
+        c["tp", "reduce_scatter"] += acts / 2
+        c["tp", "all_reduce"] += 2 * (2 * L + 1) * d * 4
+    else:
+        c["tp", "all_reduce"] += acts
+    c["tp", "all_reduce"] += accum * 2 * (1 + 2) * micro * seq * 4
+    return c
+
+
+def theory(name, n_params, world, reduce_bytes=4, accum=1):
+    """(comm bytes per step, model-state bytes per rank) the ZeRO paper predicts for fp32 Adam and P parameters on
+    world data-parallel ranks: what parallel.theory() returns."""
+    knobs = {**KNOBS, "reduce_dtype": {4: "float32", 2: "bfloat16"}[reduce_bytes], "param_dtype": "float32"}
+    comm = comm_bytes(name, n_params, accum, knobs)
+    return sum(comm.values()), sum(state_bytes(name, n_params, world).values())
+
+
+# --- memory beyond the model state
+def checkpointed_fraction(mode, n_layer, every=1):
+    """The share of blocks train.activation_checkpointing recomputes (parallel.apply_activation_checkpointing)."""
+    return {"none": 0, "full": 1, "every_n": math.ceil(n_layer / every) / n_layer}[mode]
+
+
+def activation_bytes(shape, micro, seq, act_bytes, tp=1, sequence_parallel=False, checkpointed=0.0):
+    """Bytes autograd keeps for backward, one micro-batch (only one is alive at a time), counted in our Block
+    (tests/test_plan.py checks the count on CPU against what autograd saves):
+      each RMSNorm: its input, the normalized input and the output (3 b s d); two per block, one at the end
+      attention: q and k after RoPE, v, the output, the proj input (5 b s d); MLP: up's and GELU's outputs (8 b s d)
+      the loss: log-softmax of the logits, fp32 (b s V)
+    Tensor parallelism splits attention, MLP and logits over tp; the norms' tensors are whole on every rank unless
+    sequence parallelism splits them too. A checkpointed block keeps only its input (the fp32 residual stream) and
+    is recomputed in backward, one at a time. Attention is flash-style (no s x s scores). Under autocast some
+    tensors are fp32 and some kept in both dtypes: there it is an estimate. Returns (kept, recomputed at once)."""
+    L, d, V = shape["n_layer"], shape["n_embd"], shape["vocab"]
+    u = micro * seq * d
+    norm_split = tp if sequence_parallel else 1
+    block = (6 / norm_split + 13 / tp) * u * act_bytes
+    end = 3 * u * act_bytes / norm_split + micro * seq * V * 4 / tp
+    n_ckpt = round(checkpointed * L)
+    return (L - n_ckpt) * block + n_ckpt * u * 4 / norm_split + end, block if n_ckpt else 0
+
+
+def transient_bytes(strategy, shape, P, accum, knobs, tp):
+    """What a strategy holds for a moment beyond its steady state. FSDP: 1 + prefetch units gathered (every unit,
+    at the end of forward, with reshard_after_forward=false), the gradients of the unit in backward, and two units'
+    flattened gradients in reduction; the largest unit is the embedding or the norm + head, V d parameters.
+    ZeRO-2 with gradient accumulation: full local gradients between micro-steps."""
+    if strategy in ("fsdp", "fsdp_tp"):
+        unit = shape["vocab"] * shape["n_embd"] / tp
+        pb, rb = DTYPE_BYTES[knobs["param_dtype"]], DTYPE_BYTES[knobs["reduce_dtype"]]
+        gathered = (1 + knobs["prefetch"]) * unit if knobs["reshard_after_forward"] else P
+        return gathered * pb + unit * (pb + 2 * rb)
+    if strategy == "zero2" and accum > 1:
+        return 4 * P
+    return 0
+
+
+# --- time
+def bandwidths(world, tp, plan):
+    """Bytes/s each way for a collective over each mesh dimension. tp stays within a node. A dp group within one
+    node rides the node's links; one that spans nodes crosses the network, where NCCL spreads the traffic over the
+    NICs of the group's GPUs in each node (one per GPU): k GPUs per node give k x NIC bandwidth, capped by the
+    in-node link (a hierarchical ring: reduce-scatter within the node, then across nodes, 1/k of it per NIC)."""
+    gpu, n = GPUS[plan.gpu], plan.gpus_per_node
+    intra = gpu[plan.link]
+    dp_bw = intra if world <= n else min(intra, (n // tp) * NETWORKS[plan.network])
+    return {"tp": intra, "dp": dp_bw}
+
+
+def step_time(strategy, shape, world, tp, accum, micro, seq, comm, knobs, checkpointed, plan):
+    """(seconds per optimizer step, {what: seconds}). Compute: FLOPs of the rank's share at compute_efficiency x
+    peak; forward 1/3, backward 2/3 of 6N + attention (model.flops_per_token), plus the forward of the blocks
+    activation checkpointing recomputes. A collective of `counted` bytes over n ranks takes
+    counted x (n-1)/n / (bandwidth x link_efficiency): a ring all-gather sends (n-1)/n of its output from each rank,
+    a ring reduce-scatter (n-1)/n of its input, a ring all-reduce 2 (n-1)/n of its tensor (counted twice), so one
+    formula serves all three (nccl-tests' "bus bandwidth"). Latency is left out: large messages. Overlap:
+      ddp            the gradient all-reduce runs during the last micro-step's backward
+      zero1, zero2   the reduce-scatter likewise; the all-gather of updated weights follows the step, exposed
+      fsdp, fsdp_tp  with prefetch, each micro-step's gathers run during its forward and backward, the
+                     reduce-scatter during the last backward; prefetch=0 exposes them all
+      tp             the all-reduces sit between the layers that need them: all exposed"""
+    gpu, dp = GPUS[plan.gpu], world // tp
+    rate = gpu["peak"] * plan.compute_efficiency
+    fwd = shape["flops_per_token"] * micro * seq / tp / 3 / rate
+    bwd = (2 + checkpointed) * fwd
+    bw = bandwidths(world, tp, plan)
+    size = {"dp": dp, "tp": tp}
+    t = Counter({k: v * (size[k[0]] - 1) / size[k[0]] / (bw[k[0]] * plan.link_efficiency) for k, v in comm.items()})
+    exposed = t["tp", "all_reduce"] + t["tp", "all_gather"] + t["tp", "reduce_scatter"]
+    if strategy == "ddp":
+        exposed += max(0.0, t["dp", "all_reduce"] - bwd)
+    elif strategy in ("zero1", "zero2"):
+        exposed += max(0.0, t["dp", "reduce_scatter"] - bwd) + t["dp", "all_gather"]
+    elif strategy in ("fsdp", "fsdp_tp"):
+        gather = t["dp", "all_gather"] / accum  # one micro-step's gathers
+        fwd_gather = gather / 2 if knobs["reshard_after_forward"] else gather
+        bwd_gather = gather - fwd_gather
+        if knobs["prefetch"] == 0:
+            exposed += t["dp", "all_gather"] + t["dp", "reduce_scatter"]
+        else:
+            exposed += accum * max(0.0, fwd_gather - fwd) + (accum - 1) * max(0.0, bwd_gather - bwd) \
+                + max(0.0, bwd_gather + t["dp", "reduce_scatter"] - bwd)
+    compute = accum * (fwd + bwd)
+    return compute + exposed, {"compute": compute, "exposed comm": exposed, "comm": sum(t.values()), "each": t}
+
+
+# --- one layout, all of it
+def tp_degree(p, world):
+    return (p.get("tp") or world) if p.name in TP_STRATEGIES else 1
+
+
+def predict(cfg, world, strategy=None, tp=None, ac=None, shape=None, plan=None):
+    """Every number of one layout: the configured one, or `strategy`/`tp`/`ac` (activation checkpointing mode) in
+    its place, the parallel knobs staying the configured ones. With `plan` (the cluster), step time and MFU too."""
+    shape = shape or model_shape(cfg)
+    strategy = strategy or cfg.parallel.name
+    tp = tp or tp_degree(cfg.parallel, world)
+    ac = ac or cfg.train.activation_checkpointing
+    checkpointed = checkpointed_fraction(ac, shape["n_layer"], cfg.train.ac_every)
+    knobs = {k: cfg.parallel.get(k, v) for k, v in KNOBS.items()}
+    t = cfg.train
+    dp = world // tp
+    accum = t.global_batch_size // (t.micro_batch_size * dp)
+    act_bytes = DTYPE_BYTES.get(t.dtype, 2)  # auto: bf16 autocast, as on any GPU this plans for
+    P = params_per_rank(shape, tp)
+    state = state_bytes(strategy, P, dp, optimizer_bytes(cfg.optim))
+    comm = comm_bytes(strategy, P, accum, knobs, shape, t.micro_batch_size, t.seq_len, act_bytes, tp, dp)
+    kept, recompute = activation_bytes(shape, t.micro_batch_size, t.seq_len, act_bytes, tp,
+                                       knobs["sequence_parallel"], checkpointed)
+    memory = {**state, "transient": transient_bytes(strategy, shape, P, accum, knobs, tp),
+              "activations": kept + recompute}
+    out = {"strategy": strategy, "tp": tp, "dp": dp, "accum": accum, "ac": ac,
+           "params_per_rank": P, "state": sum(state.values()), "memory": memory, "total_memory": sum(memory.values()),
+           "comm": comm, "comm_total": sum(comm.values()), "knobs": knobs}
+    if plan is not None:
+        seconds, parts = step_time(strategy, shape, world, tp, accum, t.micro_batch_size, t.seq_len, comm, knobs,
+                                   checkpointed, plan)
+        tokens = t.global_batch_size * t.seq_len
+        out.update(step_s=seconds, time=parts, tok_per_s=tokens / seconds,
+                   mfu=shape["flops_per_token"] * tokens / seconds / (GPUS[plan.gpu]["peak"] * world),
+                   fits=out["total_memory"] <= plan.usable_memory * GPUS[plan.gpu]["memory"])
+    return out
+
+
+def layout_problem(cfg, shape, world, strategy, tp, plan):
+    """Why this layout can't run, or None."""
+    if strategy == "single" and world != 1:
+        return "single runs on one GPU"
+    if strategy in ("ddp", "zero1", "zero2") and world < 2:
+        return f"{strategy} needs at least 2 GPUs"
+    if strategy in TP_STRATEGIES and tp < 2:
+        return f"{strategy} needs tp >= 2"
+    if world % tp:
+        return f"plan.world={world} is not divisible by tp={tp}"
+    if tp > plan.gpus_per_node or (world > plan.gpus_per_node and plan.gpus_per_node % tp):
+        return f"tp={tp} would span nodes of {plan.gpus_per_node} GPUs (tensor parallelism stays within a node)"
+    if shape["n_head"] % tp:
+        return f"tp={tp} does not divide the model's {shape['n_head']} heads"
+    t = cfg.train
+    if t.global_batch_size % (t.micro_batch_size * (world // tp)):
+        return (f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size "
+                f"({t.micro_batch_size}) x data-parallel ranks ({world // tp})")
+    return None
+
+
+def candidates(world, plan):
+    """Every (strategy, tp) the theory covers for this world: tp over the divisors of world within a node."""
+    for s in STRATEGIES:
+        if s == "tp":
+            yield s, world
+        elif s == "fsdp_tp":
+            yield from ((s, k) for k in range(2, min(world, plan.gpus_per_node) + 1) if world % k == 0 and k < world)
+        else:
+            yield s, 1
+
+
+# --- the command
+def check_plan(plan):
+    if plan.gpu not in GPUS:
+        return f"plan.gpu={plan.gpu!r}: expected one of {', '.join(GPUS)}"
+    if plan.link not in LINKS:
+        return f"plan.link={plan.link!r}: expected one of {', '.join(LINKS)} (within a node; plan.network between)"
+    if plan.network not in NETWORKS:
+        return f"plan.network={plan.network!r}: expected one of {', '.join(NETWORKS)}"
+    for key in ("world", "gpus_per_node"):
+        if not (isinstance(plan[key], int) and plan[key] >= 1):
+            return f"plan.{key}={plan[key]!r} must be a positive integer"
+    if plan.world > plan.gpus_per_node and plan.world % plan.gpus_per_node:
+        return f"plan.world={plan.world} is not a whole number of nodes of {plan.gpus_per_node} GPUs"
+    for key in ("compute_efficiency", "link_efficiency", "usable_memory"):
+        if not 0 < plan[key] <= 1:
+            return f"plan.{key}={plan[key]} must be in (0, 1]"
+    return None
+
+
+def gb(x):
+    return f"{x / 1e9:.2f}"
+
+
+def report(cfg, shape):
+    """The plan as text: the configured layout in detail, then the ranking."""
+    plan, t, world = cfg.plan, cfg.train, cfg.plan.world
+    chosen = predict(cfg, world, shape=shape, plan=plan)
+    gpu = GPUS[plan.gpu]
+    bw = bandwidths(world, chosen["tp"], plan)
+    nodes = math.ceil(world / plan.gpus_per_node)
+    lines = [
+        f"model: {shape['n_params'] / 1e9:.3f}B parameters (L={shape['n_layer']}, d={shape['n_embd']}, "
+        f"heads={shape['n_head']}, vocab {shape['vocab']} padded), {shape['flops_per_token'] / 1e9:.2f} GFLOP/token "
+        f"| batch {t.global_batch_size} x {t.seq_len} tokens, micro-batch {t.micro_batch_size}, activations in "
+        f"{'float32' if t.dtype == 'float32' else 'bfloat16'}, {cfg.optim.name}",
+        f"cluster: {world} x {plan.gpu} ({gpu['peak'] / 1e12:.0f} TFLOP/s bf16, {gpu['memory'] / 1e9:.0f} GB) on "
+        f"{nodes} node(s) of {plan.gpus_per_node}; {plan.link} {gpu[plan.link] / 1e9:.0f} GB/s within a node, "
+        f"{plan.network} {NETWORKS[plan.network] / 1e9:.0f} GB/s per GPU between; assumed: "
+        f"{plan.compute_efficiency:.0%} of peak compute, {plan.link_efficiency:.0%} of link bandwidth",
+        "knobs: " + ", ".join(f"{k}={v}" for k, v in chosen["knobs"].items()),
+        "",
+        f"layout: parallel={chosen['strategy']} dp={chosen['dp']} x tp={chosen['tp']}, gradient accumulation "
+        f"{chosen['accum']}, {chosen['params_per_rank'] / 1e6:.1f}M parameters per rank",
+        "",
+        "memory per rank (GB)",
+    ]
+    for ac in ("none", "full"):
+        p = predict(cfg, world, ac=ac, shape=shape, plan=plan)
+        m = p["memory"]
+        if ac == "none":
+            lines += [f"  parameters {gb(m['parameters']):>8}   gradients {gb(m['gradients'])}   optimizer state "
+                      f"{gb(m['optimizer'])}   transient {gb(m['transient'])}"]
+        lines += [f"  activation checkpointing {p['ac']:4s}: activations {gb(m['activations']):>7}, total "
+                  f"{gb(p['total_memory']):>7} of {gpu['memory'] * plan.usable_memory / 1e9:.0f} usable: "
+                  f"{'fits' if p['fits'] else 'does NOT fit'}"]
+    lines += ["", "communication per step per rank",
+              f"  {'dim':4s} {'collective':15s} {'GB':>9s} {'ranks':>6s} {'GB/s':>6s} {'ms':>9s}"]
+    size = {"dp": chosen["dp"], "tp": chosen["tp"]}
+    for (dim, kind), v in sorted(chosen["comm"].items()):
+        ms = 1e3 * chosen["time"]["each"][dim, kind]
+        lines.append(f"  {dim:4s} {kind:15s} {gb(v):>9} {size[dim]:>6d} {bw[dim] / 1e9:>6.0f} {ms:>9.1f}")
+    lines.append(f"  {'':4s} {'total':15s} {gb(chosen['comm_total']):>9}")
+    tm = chosen["time"]
+    lines += ["", f"step: compute {tm['compute'] * 1e3:.0f} ms + exposed communication {tm['exposed comm'] * 1e3:.0f} "
+                  f"ms (of {tm['comm'] * 1e3:.0f} ms) = {chosen['step_s'] * 1e3:.0f} ms -> "
+                  f"{chosen['tok_per_s']:,.0f} tokens/s, MFU {chosen['mfu']:.1%}", ""]
+    if plan.rank:
+        lines += ranking(cfg, shape, world, plan)
+    return "\n".join(lines)
+
+
+def ranking(cfg, shape, world, plan):
+    rows, skipped = [], []
+    for strategy, tp in candidates(world, plan):
+        problem = layout_problem(cfg, shape, world, strategy, tp, plan)
+        if problem:
+            skipped.append(f"{strategy} tp={tp}: {problem}")
+            continue
+        for ac in ("none", "full"):
+            rows.append(predict(cfg, world, strategy, tp, ac, shape, plan))
+    rows.sort(key=lambda r: (not r["fits"], r["step_s"], r["total_memory"]))
+    lines = [f"every layout on {world} GPU(s), fastest first among those that fit (the knobs above):",
+             "| rank | parallel | dp | tp | accum | AC | memory GB | fits | comm GB/step | step ms | exposed comm ms "
+             "| tokens/s | MFU |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(rows, 1):
+        lines.append(f"| {i if r['fits'] else '-'} | {r['strategy']} | {r['dp']} | {r['tp']} | {r['accum']} | "
+                     f"{r['ac']} | {r['total_memory'] / 1e9:.1f} | {'yes' if r['fits'] else 'no'} | "
+                     f"{r['comm_total'] / 1e9:.2f} | {r['step_s'] * 1e3:.0f} | {r['time']['exposed comm'] * 1e3:.0f} "
+                     f"| {r['tok_per_s']:,.0f} | {r['mfu']:.1%} |")
+    return lines + [f"not possible here: {s}" for s in skipped]
+
+
+def compose(overrides):
+    from hydra import compose as hydra_compose, initialize_config_dir
+    conf = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+    with initialize_config_dir(config_dir=conf, version_base="1.3"):
+        return hydra_compose(config_name="plan", overrides=overrides)
+
+
+def main(argv):
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return
+    try:
+        cfg = compose(argv)
+    except Exception as e:  # Hydra's own message: unknown group option, bad override syntax, missing key
+        sys.exit(f"error: {str(e).splitlines()[0]}")
+    problem = check_plan(cfg.plan)
+    shape = model_shape(cfg) if not problem else None
+    if not problem and cfg.parallel.name in parallel.STRATEGIES:  # the rules train.py applies
+        from train import model_config
+        problem = parallel.check(cfg.parallel, cfg.plan.world, model_config(cfg, prepare.vocab_size(cfg.data)),
+                                 cfg.train.seq_len)
+    if not problem:
+        problem = layout_problem(cfg, shape, cfg.plan.world, cfg.parallel.name,
+                                 tp_degree(cfg.parallel, cfg.plan.world), cfg.plan)
+    if problem:
+        sys.exit(f"error: {problem}")
+    print(report(cfg, shape))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

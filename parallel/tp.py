@@ -1,0 +1,292 @@
+"""Tensor parallelism from scratch (Megatron-LM), with sequence parallelism and a vocab-parallel loss.
+
+Shoeybi et al., 2019, "Megatron-LM"; Korthikanti et al., 2022, "Reducing Activation Recomputation in Large
+Transformer Models" (sequence parallelism). `tp` ranks share every layer: each holds 1/tp of every matrix.
+
+  attention   q, k, v column-parallel (each rank computes its own heads), proj row-parallel
+  MLP         up column-parallel (a slice of the hidden units), down row-parallel
+  embedding   vocab-parallel: rank r holds rows [r V/tp, (r+1) V/tp); a lookup outside them gives zeros, and the
+              all-reduce of the partial results is the full embedding
+  head + loss column-parallel over the vocab; the cross-entropy is computed from the local logits with three
+              reductions of per-token numbers (row max, sum of exps, target logit), never the full logits
+  norm gains  replicated on every rank (they are tiny)
+
+A column-parallel layer followed by a row-parallel one needs its input replicated and leaves partial sums:
+Megatron's two conjugate operators make that exact with one all-reduce each way per pair:
+  f: identity in forward, all-reduce of the input gradient in backward   (before the column-parallel layers)
+  g: all-reduce in forward, identity in backward                          (after the row-parallel layer)
+so every transformer layer costs 2 all-reduces of a (batch, seq, d) activation in forward and 2 in backward. q, k
+and v share one f (a hook on the attention module's input), so their three input gradients are summed locally
+before the single all-reduce.
+
+Sequence parallel (`sequence_parallel=true`): between the layers the activations are split along the sequence, so
+the norms and residual adds work on T/tp positions and store 1/tp of those activations. f becomes an all-gather
+along the sequence (reduce-scatter in backward) and g a reduce-scatter (all-gather in backward): each all-reduce
+becomes an all-gather plus a reduce-scatter, the same volume. The norm gains then see only their rank's positions,
+so their gradients are summed over the tp ranks once per step (`sync_replicated_grads`).
+
+Per rank, parameters are (2 V d + 12 L d^2) / tp + (2L + 1) d (the norm gains): the model state shrinks by tp.
+
+Applied to a model built on the meta device: `shard` swaps each parameter for a meta tensor of its local shape and
+returns the init function that fills a local shard by initializing the full parameter and keeping its slice, so
+every rank draws exactly the numbers parallel=single draws. model.py is untouched except that its loss is a method
+this file can replace.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+COLUMN = ("attn.q.weight", "attn.k.weight", "attn.v.weight", "mlp.up.weight", "head.weight", "wte.weight")
+ROW = ("attn.proj.weight", "mlp.down.weight")
+
+
+def shard_dim(name):
+    """The dimension a parameter is split along over the tp ranks: 0 (output rows), 1 (input columns) or None."""
+    return 0 if name.endswith(COLUMN) else 1 if name.endswith(ROW) else None
+
+
+# --- the collectives, as autograd functions
+def _gather_seq(x, group):
+    """(B, T/tp, ...) from every rank -> (B, T, ...), rank r's piece at positions [r T/tp, (r+1) T/tp)."""
+    n = dist.get_world_size(group)
+    local = x.transpose(0, 1).contiguous()  # all_gather_single concatenates along dim 0
+    out = torch.empty((n * local.size(0),) + local.shape[1:], dtype=x.dtype, device=x.device)
+    dist.all_gather_single(out, local, group=group)
+    return out.transpose(0, 1).contiguous()
+
+
+def _reduce_scatter_seq(x, group):
+    """(B, T, ...) partial sums on every rank -> (B, T/tp, ...): rank r gets the sum of positions [r T/tp, ...)."""
+    n = dist.get_world_size(group)
+    full = x.transpose(0, 1).contiguous()
+    out = torch.empty((full.size(0) // n,) + full.shape[1:], dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_single(out, full, group=group)
+    return out.transpose(0, 1).contiguous()
+
+
+def _all_reduce(x, group):
+    x = x.clone(memory_format=torch.contiguous_format)  # not in place: autograd may have saved x
+    dist.all_reduce(x, group=group)
+    return x
+
+
+class Copy(torch.autograd.Function):
+    """Megatron's f: the input is already replicated; each rank's gradient w.r.t. it is partial, so sum them."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class Reduce(torch.autograd.Function):
+    """Megatron's g: sum the partial outputs of a row-parallel layer; the gradient is already replicated."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class GatherSeq(torch.autograd.Function):
+    """Sequence parallel's f: all-gather the sequence shards; backward reduce-scatters the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.group), None
+
+
+class ScatterSeq(torch.autograd.Function):
+    """Sequence parallel's g: reduce-scatter the partial sums along the sequence; backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.group), None
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of (N, V/tp) local logits whose vocab slice starts at `lo`, with targets (N,) in the full
+    vocab. loss_i = log sum_v exp(z_iv - m_i) - (z_i,t_i - m_i), with m_i the row max: one all-reduce (max) of N
+    numbers, one (sum) of 2N: the sums of exps and the target logit, which only the rank holding it contributes.
+    The gradient, softmax - onehot(target), is computed from local pieces only."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, lo, group):
+        m = logits.detach().max(dim=-1).values
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        exp = (logits - m[:, None]).exp()
+        local = targets - lo
+        mine = (local >= 0) & (local < logits.size(-1))
+        local = local.clamp(0, logits.size(-1) - 1)
+        target_logit = (logits.gather(1, local[:, None]).squeeze(1) - m) * mine
+        stats = torch.stack([exp.sum(-1), target_logit])
+        dist.all_reduce(stats, group=group)
+        loss = stats[0].log() - stats[1]
+        ctx.save_for_backward(exp.div_(stats[0][:, None]), local, mine)  # exp becomes the local softmax
+        return loss.mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, mine = ctx.saved_tensors
+        g = softmax.clone()
+        g[torch.arange(g.size(0), device=g.device), local] -= mine.to(g.dtype)
+        return g.mul_(grad / g.size(0)), None, None, None
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [lo, lo + V/tp) of the embedding. Ids outside them look up zeros; summing over ranks (all-reduce, or
+    reduce-scatter along the sequence under sequence parallelism) gives every id its row."""
+
+    def __init__(self, weight, lo, group, sequence_parallel):
+        super().__init__()
+        self.weight, self.lo, self.group, self.sp = weight, lo, group, sequence_parallel
+
+    def forward(self, idx):
+        outside = (idx < self.lo) | (idx >= self.lo + self.weight.size(0))
+        out = F.embedding((idx - self.lo).masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside[..., None], 0.0)
+        return ScatterSeq.apply(out, self.group) if self.sp else Reduce.apply(out, self.group)
+
+
+# --- sharding the model
+def shard(model, group, sequence_parallel=False):
+    """Split `model` (a GPT on the meta device) over the ranks of `group`, in place: local parameter shapes, the
+    f/g operators as module hooks, the vocab-parallel embedding and loss. Returns init_param(name, tensor), which
+    fills a local shard with exactly this rank's slice of what parallel=single would initialize."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    full_shapes = {name: p.shape for name, p in model.named_parameters()}
+    enter, leave = (GatherSeq, ScatterSeq) if sequence_parallel else (Copy, Reduce)
+
+    for name, p in list(model.named_parameters()):
+        d = shard_dim(name)
+        if d is None:
+            continue
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        shape = list(p.shape)
+        shape[d] //= n
+        module.weight = nn.Parameter(torch.empty(shape, device=p.device, dtype=p.dtype))
+        if isinstance(module, nn.Linear):
+            module.out_features, module.in_features = shape
+    vocab_lo = r * model.wte.weight.size(0)
+    model.wte = VocabParallelEmbedding(model.wte.weight, vocab_lo, group, sequence_parallel)
+
+    # one f before each column-parallel group (attention: q, k, v; MLP: up; head) and one g after each row-parallel
+    # layer; positional args only, as model.py calls them
+    for block in model.blocks:
+        for m in (block.attn, block.mlp):
+            m.register_forward_pre_hook(lambda m, args: (enter.apply(args[0], group),) + args[1:])
+            m.register_forward_hook(lambda m, args, out: leave.apply(out, group))
+    model.head.register_forward_pre_hook(lambda m, args: (enter.apply(args[0], group),))
+
+    def loss(logits, targets):
+        return VocabParallelCrossEntropy.apply(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
+                                               vocab_lo, group)
+    model.loss = loss
+    # called without targets (sampling), the model returns the full logits: gather the vocab slices
+    model.register_forward_hook(lambda m, args, kwargs, out: out if has_targets(args, kwargs) else
+                                _gather_last_dim(out, group), with_kwargs=True)
+
+    if sequence_parallel:
+        pad_sequence_for_sampling(model, n)
+
+    def init_param(name, local):
+        full = torch.empty(full_shapes[name], dtype=local.dtype, device=local.device)
+        model.init_param(name, full)
+        d = shard_dim(name)
+        local.copy_(full if d is None else full.chunk(n, dim=d)[r])
+    return init_param
+
+
+def pad_sequence_for_sampling(model, tp):
+    """Sequence parallel splits every sequence tp ways, and training lengths are checked to divide; sampling feeds
+    any length. Pad those on the right to a multiple of tp and drop the padding's logits: attention is causal, so
+    no real position ever sees the padding. (Registered after any hook that gathers the logits.)"""
+    lengths = []
+
+    def pad(m, args, kwargs):
+        idx = args[0]
+        lengths.append(idx.size(1))
+        if idx.size(1) % tp == 0 or has_targets(args, kwargs):
+            return None
+        return (F.pad(idx, (0, -idx.size(1) % tp)),) + args[1:], kwargs
+
+    def trim(m, args, kwargs, out):
+        length = lengths.pop()
+        return out if has_targets(args, kwargs) else out[:, :length]
+    model.register_forward_pre_hook(pad, with_kwargs=True)
+    model.register_forward_hook(trim, with_kwargs=True)
+
+
+def has_targets(args, kwargs):
+    return (len(args) > 1 and args[1] is not None) or kwargs.get("targets") is not None
+
+
+def _gather_last_dim(x, group):
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+@torch.no_grad()
+def materialize(model, init_param, device):
+    """Allocate and fill the local shards (and the RoPE buffers) of a model `shard` left on the meta device."""
+    for name, p in list(model.named_parameters()):
+        module = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        local = torch.empty(p.shape, dtype=p.dtype, device=device)
+        init_param(name, local)
+        setattr(module, name.rsplit(".", 1)[-1], nn.Parameter(local, p.requires_grad))
+    for m in model.modules():
+        for k, b in m._buffers.items():
+            if b is not None and b.is_meta:
+                m._buffers[k] = torch.empty_like(b, device=device)
+    model.init_buffers()
+
+
+@torch.no_grad()
+def sync_replicated_grads(pieces, group):
+    """Sequence parallel: sum the norm gains' gradients (each rank saw only its positions) over the tp ranks, in
+    one all-reduce. `pieces`: the gradient tensors (or FSDP shard segments of them) of the replicated parameters."""
+    pieces = [g for g in pieces if g is not None]
+    if not pieces:
+        return
+    flat = torch.cat([g.reshape(-1) for g in pieces])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in pieces:
+        g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+@torch.no_grad()
+def gather_full(local_state, group, device):
+    """{name: full CPU tensor} from {name: this rank's local tensor}: all-gather each sharded one along its
+    dimension (on `device`: nccl reduces device tensors). A collective: every rank of the group calls it."""
+    n = dist.get_world_size(group)
+    out = {}
+    for name, t in local_state.items():
+        d = shard_dim(name)
+        if d is None:
+            out[name] = t.cpu()
+            continue
+        parts = [torch.empty_like(t, device=device) for _ in range(n)]
+        dist.all_gather(parts, t.to(device).contiguous(), group=group)
+        out[name] = torch.cat(parts, dim=d).cpu()
+    return out

@@ -1,0 +1,225 @@
+"""The planner (parallel/plan.py) against measurement: its state and comm per rank equal what real runs' counters
+record for every strategy at world sizes 1, 2 and 4; its activation count equals what autograd saves; the command
+prints a plan and a ranking, and turns bad input into one line."""
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import parallel
+import train
+from conftest import ROOT, make_cfg, read_metrics, small_corpus, small_run
+from model import GPT, GPTConfig
+from parallel import plan
+
+# 4 heads so that tensor parallelism can split them 4 ways; global 8 in micro-batches of 2: accumulation 4, 2, 1 at
+# 1, 2, 4 data-parallel ranks; float32 on both sides (the planner's default is bf16 activations)
+SHORT = ("model.n_head=4", "train.global_batch_size=8", "train.micro_batch_size=2", "train.max_steps=2",
+         "train.eval_every=100", "train.eval_steps=1", "train.checkpoint=false", "train.dtype=float32")
+
+
+def measured_layouts():
+    """(strategy, world) for every strategy the code has, at every world size of 1, 2, 4 its checks accept."""
+    for strategy in parallel.STRATEGIES:
+        cfg = make_cfg(*small_run(*SHORT, f"parallel={strategy}"))
+        for world in (1, 2, 4):
+            if parallel.check(cfg.parallel, world, train.model_config(cfg, 512), cfg.train.seq_len) is None:
+                yield strategy, world
+
+
+LAYOUTS = list(measured_layouts())
+
+
+def test_every_strategy_is_measured():
+    assert {s for s, _ in LAYOUTS} == set(parallel.STRATEGIES)
+    assert set(parallel.STRATEGIES) <= set(plan.STRATEGIES)  # the planner has a theory for each
+
+
+def _rank(rank, world, port, overrides, run_dir):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    train.run(make_cfg(*overrides), run_dir)
+
+
+def forked_run(world, run_dir, *overrides):
+    """train.run on `world` ranks forked from this process, with the variables torchrun would set. Each rank then
+    starts with torch and train.py imported: 2-4 s a job here instead of torchrun's 13-30 s (fresh interpreters)."""
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("fork")
+    ranks = [ctx.Process(target=_rank, args=(r, world, port, overrides, run_dir)) for r in range(world)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=180)  # a hang fails the test instead of stalling the suite
+    for p in ranks:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in ranks] == [0] * world, "a rank failed: its traceback is in the captured stderr"
+
+
+# and sequence parallel, whose collectives differ in kind, for both tensor-parallel layouts
+SP = [(s, 4, ("parallel.sequence_parallel=true",)) for s in ("tp", "fsdp_tp")]
+
+
+@pytest.mark.parametrize("strategy,world,extra", [(s, w, ()) for s, w in LAYOUTS] + SP)
+def test_prediction_equals_measurement(tmp_path, strategy, world, extra):
+    """A real 2-step run per layout (gloo, float32): state_bytes and comm_bytes of every step, rank 0, against the
+    planner's numbers for the same config; padding to multiples of world is the only difference allowed."""
+    overrides = small_run(*SHORT, f"parallel={strategy}", *extra)
+    run_dir = str(tmp_path / "run")
+    if world == 1:  # in this process (no launcher: train.py gives a lone rank a local store)
+        train.run(make_cfg(*overrides), run_dir)
+    else:
+        forked_run(world, run_dir, *overrides)
+    start, *records = read_metrics(run_dir)
+    steps = [r for r in records if "comm_bytes" in r]
+    predicted = plan.predict(make_cfg(*overrides), world)
+    shape = plan.model_shape(make_cfg(*overrides))
+    assert shape["n_params"] == start["n_params"] and predicted["accum"] == start["grad_accum"]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["state_bytes"] == pytest.approx(predicted["state"], rel=0.05)
+        assert r["comm_bytes"] == pytest.approx(predicted["comm_total"], rel=0.05)
+    print(f"{strategy} {' '.join(extra)} N={world}: state {steps[-1]['state_bytes'] / predicted['state']:.4f}, comm "
+          f"{steps[-1]['comm_bytes'] / max(predicted['comm_total'], 1):.4f} of predicted")
+
+
+@pytest.mark.parametrize("n_layer,n_embd,vocab", [(2, 64, 512), (24, 2048, 50257), (3, 96, 1000)])
+def test_parameter_formula(n_layer, n_embd, vocab):
+    """P = 2 V d + L (12 d^2 + 2 d) + d, of which (2L + 1) d norm gains stay whole under tensor parallelism."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=vocab, n_layer=n_layer, n_head=4, n_embd=n_embd))
+    V, L, d = model.cfg.padded_vocab_size, n_layer, n_embd
+    assert model.num_params() == 2 * V * d + L * (12 * d * d + 2 * d) + d
+    assert sum(p.numel() for n, p in model.named_parameters() if "norm" in n) == (2 * L + 1) * d
+    shape = {"n_layer": L, "n_embd": d, "n_params": model.num_params()}
+    assert plan.params_per_rank(shape, 4) == (2 * V * d + 12 * L * d * d) / 4 + (2 * L + 1) * d
+
+
+def saved_for_backward(ac, n_layer=3, d=64, heads=4, vocab=256, b=2, s=32):
+    """Bytes of the distinct storages autograd keeps for backward (parameters and buffers left out)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=vocab, block_size=s, n_layer=n_layer, n_head=heads, n_embd=d))
+    model.init_weights()
+    parallel.apply_activation_checkpointing(model, ac)
+    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    kept = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            kept[st.data_ptr()] = st.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(torch.randint(0, vocab, (b, s)), torch.randint(0, vocab, (b, s)))
+    shape = {"n_layer": n_layer, "n_embd": d, "vocab": model.cfg.padded_vocab_size}
+    return sum(kept.values()), shape
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_activation_count_equals_autograd(ac):
+    measured, shape = saved_for_backward(ac)
+    kept, _ = plan.activation_bytes(shape, 2, 32, 4, checkpointed=plan.checkpointed_fraction(ac, 3))
+    assert measured == pytest.approx(kept, rel=0.05)
+
+
+def run_plan(*overrides):
+    p = subprocess.run([sys.executable, "-m", "parallel.plan", *overrides], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
+def test_command_plans_and_ranks():
+    out = run_plan("model=gpt_1p3b", "parallel=fsdp", "plan.world=64", "plan.gpu=h100", "plan.link=nvlink")
+    assert "layout: parallel=fsdp dp=64 x tp=1, gradient accumulation 1" in out
+    assert "activation checkpointing none" in out and "activation checkpointing full" in out
+    assert "dp   all_gather" in out and "dp   reduce_scatter" in out
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "rank" not in line]
+    layouts = {(r[1].strip(), int(r[3])) for r in rows}
+    assert {("ddp", 1), ("zero1", 1), ("zero2", 1), ("fsdp", 1), ("fsdp_tp", 2), ("fsdp_tp", 8)} <= layouts
+    fitting = [float(r[9]) for r in rows if r[7].strip() == "yes"]
+    assert fitting and fitting == sorted(fitting)  # fastest first
+    assert [r[0].strip() for r in rows[:len(fitting)]] == [str(i) for i in range(1, len(fitting) + 1)]
+
+
+def cluster(**kw):
+    from omegaconf import OmegaConf
+    return OmegaConf.create({"world": 8, "gpu": "h100", "gpus_per_node": 8, "link": "nvlink",
+                             "network": "infiniband", "compute_efficiency": 0.4, "link_efficiency": 0.8,
+                             "usable_memory": 0.9, "rank": False, **kw})
+
+
+def plan_cfg(*overrides):
+    from hydra import compose, initialize_config_dir
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):
+        return compose(config_name="plan", overrides=list(overrides))
+
+
+def test_time_model():
+    """Alone, a GPU runs at the assumed efficiency; FSDP's per-micro-step gathers hide behind compute over NVLink
+    but not over PCIe once micro-batches are small (the README's 40% -> single digits); TP's all-reduces are
+    always exposed."""
+    single = plan.predict(plan_cfg("parallel=single", "train.global_batch_size=8"), 1, plan=cluster(world=1))
+    assert single["mfu"] == pytest.approx(0.4, rel=1e-9) and single["time"]["exposed comm"] == 0
+    cfg = plan_cfg("train.micro_batch_size=1")
+    nvlink, pcie = (plan.predict(cfg, 8, plan=cluster(link=link)) for link in ("nvlink", "pcie"))
+    assert nvlink["mfu"] > 0.3 and pcie["mfu"] < 0.1
+    assert nvlink["comm"] == pcie["comm"]  # the same bytes, on a slower link
+    tp = plan.predict(cfg, 8, "tp", 8, plan=cluster())
+    assert tp["time"]["exposed comm"] == pytest.approx(tp["time"]["comm"])
+    no_prefetch = plan.predict(plan_cfg("train.micro_batch_size=1", "parallel.prefetch=0"), 8, plan=cluster())
+    assert no_prefetch["time"]["exposed comm"] == pytest.approx(no_prefetch["time"]["comm"])
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["plan.gpu=h900"], "plan.gpu='h900': expected one of h100, h200, a100"),
+    (["plan.link=wifi"], "plan.link='wifi': expected one of nvlink, pcie"),
+    (["plan.world=12", "plan.gpus_per_node=4"], "not divisible by micro_batch_size (8) x data-parallel ranks (12)"),
+    (["plan.world=12"], "plan.world=12 is not a whole number of nodes of 8 GPUs"),
+    (["parallel=single", "plan.world=8"], "parallel=single runs in one process, but 8 were launched"),
+    (["parallel=ddp", "plan.world=1"], "needs several processes"),
+    (["plan.world=0"], "plan.world=0 must be a positive integer"),
+    (["parallel=pipeline"], "Could not find 'parallel/pipeline'"),
+])
+def test_bad_input_is_one_line(overrides, message):
+    with pytest.raises(SystemExit) as e:
+        plan.main(overrides)
+    text = str(e.value.code)
+    assert text.startswith("error: ") and message in text and "\n" not in text, text
+
+
+def test_impossible_layouts():
+    cfg = plan_cfg()
+    shape = plan.model_shape(cfg)
+    assert plan.layout_problem(cfg, shape, 12, "fsdp_tp", 8, cluster()) == "plan.world=12 is not divisible by tp=8"
+    assert "span nodes" in plan.layout_problem(cfg, shape, 32, "fsdp_tp", 16, cluster())
+    assert "does not divide the model's 16 heads" in plan.layout_problem(cfg, shape, 6, "tp", 6, cluster())
+
+
+def test_gpu_bench_logic_on_cpu(capsys):
+    """The GPU benchmark's path on a CPU: the matmul rate, one-rank torchrun jobs of parallel=single and fsdp, the
+    table. (No MFU against a datasheet: a CPU has none.)"""
+    from parallel import gpu_bench
+    paths = "[" + ",".join(small_corpus()) + "]"
+    rows = gpu_bench.main(["--device", "cpu", "--tiny", "--", "data=text", f"data.paths={paths}",
+                           "data.vocab_size=512", "data.num_proc=1"])
+    assert [(r["model"], r["parallel"], r["compile"]) for r in rows] == [("gpt_tiny", "single", "no"),
+                                                                         ("gpt_tiny", "fsdp (1 rank)", "no")]
+    for r in rows:
+        assert float(r["tok_per_s"].replace(",", "")) > 0 and r["MFU"] == "-"
+        assert 0 < float(r["MFU_vs_matmul"].rstrip("%")) and float(r["step_ms"]) > 0
+    assert "| model | parallel | compile | tok_per_s | MFU | MFU_vs_matmul |" in capsys.readouterr().out
+
+
+def test_gpu_bench_stays_within_its_budget():
+    from parallel import gpu_bench
+    t0 = time.time()
+    rows = gpu_bench.main(["--device", "cpu", "--tiny", "--budget", "1"])
+    assert time.time() - t0 < 10 and [r["tok_per_s"] for r in rows] == ["out of time"] * 2
