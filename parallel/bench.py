@@ -22,6 +22,7 @@ import tempfile
 import time
 
 import parallel
+from parallel import plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = [("single", None)] + [(s, i) for s in ("ddp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp")
@@ -57,6 +58,8 @@ def run_one(strategy, impl, world, overrides, run_dir, timeout=None):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     steps = [r for r in records if "tok_per_s" in r][1:]  # the first window includes warm-up
+    predicted = plan.predict_run(run_dir)  # the theory for this very config
+    records[0].update(comm_theory=predicted["comm_total"], state_theory=predicted["state"])
     return records[0], statistics.median(r["tok_per_s"] for r in steps), steps[-1]
 
 
@@ -103,9 +106,7 @@ def main():
     for k, (strategy, impl) in enumerate(configs):
         start, _, last = results[k][-1]
         world = start["world_size"]
-        # the ZeRO paper's formulas cover data parallelism; tensor parallel's volume depends on the activations
-        comm_theory, state_theory = (None, None) if start.get("tp", 1) > 1 else parallel.theory(
-            strategy, start["n_params"], world, start["param_bytes"] // start["n_params"], start["grad_accum"])
+        comm_theory, state_theory = start["comm_theory"], start["state_theory"]
         torch_tok_s = tok_s(configs.index((strategy, "torch"))) if impl == "scratch" else None
         rows.append({
             "strategy": strategy, "impl": impl or "-", "world": world, "dp x tp": f"{start['dp']} x {start['tp']}",
@@ -128,8 +129,8 @@ def main():
                      for label, k in knob_jobs]
     P = results[0][0][0]["n_params"]
     note = (f"{P:,} parameters; theory (ZeRO paper, fp32 Adam): comm 2 Psi for ddp/zero1/zero2, (2 x accumulation "
-            f"+ 1) Psi for fsdp; state 16P, 8P+8P/N, 4P+12P/N, 16P/N (tp and fsdp_tp: activations travel too, "
-            f"see the planner). peak_MiB: rank 0's "
+            f"+ 1) Psi for fsdp; state 16P, 8P+8P/N, 4P+12P/N, 16P/N; tp and fsdp_tp: the planner's activation "
+            f"volumes and 16 P_local (/dp). peak_MiB: rank 0's "
             f"peak RSS above what it held before the model was built. Overrides: {' '.join(a.overrides) or '(none)'}; "
             f"{a.rounds} round(s).")
     text = markdown(rows) + ("\n\n" + markdown(knob_rows) if knob_rows else "") + "\n\n" + note

@@ -274,6 +274,18 @@ def predict(cfg, world, strategy=None, tp=None, ac=None, shape=None, plan=None):
     return out
 
 
+def predict_run(run_dir):
+    """The prediction for a finished run of train.py, from its own resolved config.yaml at its world size (the
+    benchmark and the sweep report set it beside the run's measured counters)."""
+    import json
+    from omegaconf import OmegaConf
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        start = json.loads(f.readline())
+    cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
+    cfg.train.dtype = start["dtype"]  # what the run resolved `auto` to (the planner otherwise assumes a GPU's bf16)
+    return predict(cfg, start["world_size"])
+
+
 def layout_problem(cfg, shape, world, strategy, tp, plan):
     """Why this layout can't run, or None."""
     if strategy == "single" and world != 1:

@@ -108,12 +108,8 @@ def tok_per_s(steps):
 
 
 def theory(job):
-    """(comm bytes per step, state bytes per rank) that the planner (parallel/plan.py) predicts for the job's own
-    resolved config at its world size: the ZeRO paper's formulas, and tensor parallel's activations."""
-    start = job["records"][0]
-    cfg = OmegaConf.load(os.path.join(job["dir"], "config.yaml"))
-    cfg.train.dtype = start["dtype"]  # what the run resolved `auto` to (the planner assumes a GPU's bf16)
-    predicted = plan.predict(cfg, start["world_size"])
+    """(comm bytes per step, state bytes per rank) that the planner predicts for the job's own config."""
+    predicted = plan.predict_run(job["dir"])
     return predicted["comm_total"], predicted["state"]
 
 
