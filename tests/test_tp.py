@@ -1,5 +1,6 @@
 """Tensor parallelism and 2D FSDP x TP: equal to single-process training, Megatron's communication counted
 collective by collective, logits never materialized whole, bad settings refused up front."""
+import gc
 import os
 import tempfile
 
@@ -170,6 +171,11 @@ def _tp_worker(rank, world, init_file, errors):
             print(f"largest tensor: single {single_size.numel:,} elements, tp={world} {tp_size.numel:,}")
         assert single_size.numel == B * T * V and tp_size.numel == B * T * V // world, (single_size.numel,
                                                                                          tp_size.numel)
+        # free what holds the mesh's groups while every peer is still connected (gloo can abort in its destructor
+        # when a peer has gone: train.py does the same)
+        del model, reference
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
     except Exception as e:  # surface the failure in the parent's assertion
         import traceback
