@@ -45,6 +45,9 @@ def test_equal_to_single(tmp_path, single_tp, strategy, impl, tp, sp):
                  f"parallel.tp={tp}", f"parallel.sequence_parallel={str(sp).lower()}",
                  *(["train.sample_tokens=8"] if sample or impl == "torch" else []))
     torch.testing.assert_close(losses(run_dir), losses(single_tp), rtol=1e-5, atol=0)
+    # the gradient norm over the whole mesh, replicated norm gains counted once, is one process's norm
+    norms = [[r["grad_norm"] for r in read_metrics(d) if "grad_norm" in r] for d in (run_dir, single_tp)]
+    assert norms[0] == pytest.approx(norms[1], rel=1e-5)
     # tensor parallel sums every input gradient over ranks, in another order than one process does; Adam's
     # normalization magnifies that rounding where gradients are tiny (3e-6 seen in one element). The weights move
     # up to 3e-3 in these 6 steps: 1e-5 is 0.3% of that
