@@ -118,10 +118,11 @@ class GPT(nn.Module):
             self.init_param(name, p)
 
     @torch.no_grad()
-    def init_buffers(self):
-        cos, sin = rope_tables(self.cfg, device=self.rope_cos.device)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+    def init_buffers(self, device=None):
+        """The RoPE tables, on `device` when given (a model materialized piece by piece from the meta device has none
+        allocated yet), else where they are."""
+        cos, sin = rope_tables(self.cfg, device=device or self.rope_cos.device)
+        self.rope_cos, self.rope_sin = cos, sin  # registered buffers: assigning replaces them
 
     @torch.no_grad()
     def init_param(self, name, p):

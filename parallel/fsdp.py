@@ -91,11 +91,7 @@ class FSDP:
             self._free(u)
             self.units.append(u)
         if on_meta:  # buffers (RoPE tables) are small: materialize and fill them whole
-            for m in model.modules():
-                for k, b in m._buffers.items():
-                    if b is not None and b.is_meta:
-                        m._buffers[k] = torch.empty_like(b, device=self.device)
-            model.init_buffers()
+            model.init_buffers(self.device)
         template = make_optimizer(model)  # over the new parameters; it holds no state until a step, so costs nothing
         self.segments = segments  # {parameter: [views of this rank's shard]}, each .grad a view of the grad shard
         self.optimizer = sharded_optimizer(template, segments)

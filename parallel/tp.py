@@ -253,11 +253,7 @@ def materialize(model, init_param, device):
         local = torch.empty(p.shape, dtype=p.dtype, device=device)
         init_param(name, local)
         setattr(module, name.rsplit(".", 1)[-1], nn.Parameter(local, p.requires_grad))
-    for m in model.modules():
-        for k, b in m._buffers.items():
-            if b is not None and b.is_meta:
-                m._buffers[k] = torch.empty_like(b, device=device)
-    model.init_buffers()
+    model.init_buffers(device)
 
 
 @torch.no_grad()
