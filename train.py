@@ -9,12 +9,16 @@ Every setting lives in conf/ (Hydra); `python train.py --help` lists the groups 
 Bad settings stop the run with one line, `error: ...`, before any work and before anything is written.
 """
 import contextlib
+import dataclasses
 import gc
+import hashlib
 import json
 import math
 import os
 import resource
+import signal
 import sys
+import threading
 import time
 
 import hydra
@@ -29,7 +33,7 @@ from tqdm import tqdm
 import parallel
 from data import prepare, shards
 from model import GPT, GPTConfig
-from parallel import launch, plan
+from parallel import checkpoint, launch, plan
 from parallel.comm import CommCounter
 
 
@@ -37,14 +41,15 @@ class ConfigError(ValueError):
     """A setting that can't work; reported as one line before any work."""
 
 
+class Diverged(RuntimeError):
+    """The loss or the gradient norm stopped being finite."""
+
+
 def check_config(cfg, run_dir, world):
-    """Everything that can be known wrong before work starts; returns (device, dtype, grad_accum)."""
+    """Everything that can be known wrong before work starts; returns (device, dtype, grad_accum, checkpoint to
+    resume from or None)."""
     t, d = cfg.train, cfg.data
-    # a finished or running run would lose its files: refuse before writing anything
-    taken = [f for f in ("config.yaml", "metrics.jsonl", "checkpoint.pt") if os.path.exists(os.path.join(run_dir, f))]
-    if taken:
-        raise ConfigError(f"run dir {run_dir} already holds a run ({', '.join(taken)}); "
-                          f"choose another with hydra.run.dir=... or move it away")
+    resume = resume_from(cfg, run_dir)
     problem = parallel.check(cfg.parallel, world, model_config(cfg, vocab_size=prepare.vocab_size(d)), t.seq_len,
                              cpu_bf16=bf16_supported("cpu"))
     if problem:
@@ -64,6 +69,9 @@ def check_config(cfg, run_dir, world):
                 "log_every"):
         if t[key] < 1:
             raise ConfigError(f"train.{key}={t[key]} must be at least 1")
+    for key in ("every", "keep"):
+        if not isinstance(cfg.checkpoint[key], int) or cfg.checkpoint[key] < 0:
+            raise ConfigError(f"checkpoint.{key}={cfg.checkpoint[key]!r} must be a whole number, 0 or more")
     if t.global_batch_size % (t.micro_batch_size * dp_world):
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size "
                           f"({t.micro_batch_size}) x data-parallel ranks ({dp_world})")
@@ -92,7 +100,36 @@ def check_config(cfg, run_dir, world):
         raise ConfigError(str(e)) from None
     if d.source != "fineweb_edu":
         prepare.local_files(d)  # missing paths, empty corpus
-    return device, dtype, t.global_batch_size // (t.micro_batch_size * dp_world)
+    return device, dtype, t.global_batch_size // (t.micro_batch_size * dp_world), resume
+
+
+def resume_from(cfg, run_dir):
+    """The checkpoint train.resume names (a path, or None to start afresh). A run dir that already holds a run is
+    only ever continued (auto), never written over."""
+    r = str(cfg.train.resume)
+    r = "none" if r.lower() in ("none", "null") else r  # train.resume=null reads as Python's None
+    found = checkpoint.complete(os.path.join(run_dir, "checkpoints"))
+    taken = [f for f in ("config.yaml", "metrics.jsonl", "checkpoints") if os.path.exists(os.path.join(run_dir, f))]
+    if r == "auto" and found:
+        return found[-1]
+    if r == "auto" and taken and same_config(cfg, run_dir):
+        return None  # restarted (torchrun --max-restarts, a requeued job) before its first checkpoint: start again
+    if taken:
+        raise ConfigError(f"run dir {run_dir} already holds a run ({', '.join(taken)}) "
+                          f"{'with another config and no checkpoint' if r == 'auto' else 'and train.resume=' + r}; "
+                          f"choose another with hydra.run.dir=..., continue it with train.resume=auto, or move it away")
+    if r in ("auto", "none"):
+        return None
+    try:
+        return checkpoint.find(r)
+    except checkpoint.CheckpointError as e:
+        raise ConfigError(f"train.resume={r}: {e}") from None
+
+
+def same_config(cfg, run_dir):
+    path = os.path.join(run_dir, "config.yaml")
+    return os.path.exists(path) and OmegaConf.to_container(OmegaConf.load(path)) == \
+        OmegaConf.to_container(cfg, resolve=True)
 
 
 def model_config(cfg, vocab_size):
@@ -146,16 +183,18 @@ def evaluate(model, opt, val, cfg, autocast, device, rank, world):
 class Metrics:
     """metrics.jsonl (one JSON object per line) and W&B, on rank 0; on other ranks every call does nothing."""
 
-    def __init__(self, cfg, run_dir, rank):
-        self.on = rank == 0
+    def __init__(self, cfg, run_dir, rank, wandb_id=None):
+        self.on, self.id = rank == 0, None
         if not self.on:
             return
         import wandb
-        self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a")  # a resumed run adds to the same file
         lg = cfg.logger
         self.wandb = wandb.init(project=lg.project, group=lg.group, name=lg.name, mode=lg.mode, dir=run_dir,
                                 config=OmegaConf.to_container(cfg, resolve=True),
-                                settings=wandb.Settings(console="off", quiet=True))
+                                settings=wandb.Settings(console="off", quiet=True),
+                                id=wandb_id, resume="allow" if wandb_id else None)  # a resumed run: the same W&B run
+        self.id = None if lg.mode == "disabled" else self.wandb.id
 
     def log(self, record):
         if self.on:
@@ -175,26 +214,53 @@ def peak_memory_mb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the process's peak RSS (Linux: KiB)
 
 
-def save_checkpoint(path, weights, opt, step, cfg):
-    """Write to a temporary file, then rename: a crash mid-save leaves the previous checkpoint whole.
-    The optimizer state is saved only where one process holds all of it (single, ddp); sharded strategies get
-    distributed checkpoints later."""
-    state = {"model": weights, "step": step, "config": OmegaConf.to_container(cfg, resolve=True)}
-    if cfg.parallel.name in ("single", "ddp"):
-        state["optimizer"] = opt.state_dict()
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)
+class Preemption:
+    """SIGTERM (SLURM preempting or reaching the time limit, torchrun stopping its workers) asks for a checkpoint at
+    the end of the current step and a clean exit. Every rank must stop at the same step, so the flag is agreed on
+    with a one-element all-reduce per step (outside the step's communication counts)."""
+
+    def __init__(self):
+        self.flag, self.old = False, None
+        if threading.current_thread() is threading.main_thread():
+            self.old = signal.signal(signal.SIGTERM, self._set)
+
+    def _set(self, signum, frame):
+        self.flag = True
+
+    def requested(self, device, world):
+        if world == 1:
+            return self.flag
+        t = torch.tensor([int(self.flag)], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def close(self):
+        if self.old is not None:
+            signal.signal(signal.SIGTERM, self.old)
+
+
+def sha256_json(obj):
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def check_finite(first_bad, step, world, last_checkpoint):
+    """Stop if any step up to `step` had a loss or gradient norm that is not finite (first_bad: the first such step
+    seen on this rank, a device tensor, so that steps need not wait for the device; checked when logging)."""
+    if world > 1:
+        dist.all_reduce(first_bad, op=dist.ReduceOp.MIN)
+    bad = int(first_bad.item())
+    if bad <= step:
+        kept = f"the last checkpoint, {last_checkpoint}, is untouched" if last_checkpoint else "no checkpoint written"
+        raise Diverged(f"step {bad}: the loss or gradient norm is not finite (nan/inf); stopped, {kept}")
 
 
 def run(cfg, run_dir):
     # --- process group: torchrun sets RANK/WORLD_SIZE; plain `python train.py` is one process
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device, dtype, accum = check_config(cfg, run_dir, world)
+    device, dtype, accum, resume = check_config(cfg, run_dir, world)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if world > 1 or cfg.parallel.name != "single":  # a one-rank FSDP still calls collectives (on itself)
-        # without torchrun there is no rendezvous to read; one process needs none: a local store serves
-        alone = {} if "MASTER_ADDR" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", **alone)
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", **launch.process_group_store())
         dist.barrier()  # every rank has checked the run dir before rank 0 writes into it
         if rank > 0:  # one console: the other ranks print to rank<k>.log in the run dir
             launch.log_to_file(run_dir, rank)
@@ -209,14 +275,12 @@ def run(cfg, run_dir):
         prepare.prepare(cfg.data, cfg.data.cache_dir, log=print0)
     if world > 1:
         dist.barrier()
-    train_tokens, val_tokens, enc, meta = prepare.load(prepare.prepare(cfg.data, cfg.data.cache_dir))
+    data_dir = prepare.prepare(cfg.data, cfg.data.cache_dir)
+    train_tokens, val_tokens, enc, meta = prepare.load(data_dir)
     for name, toks in (("train", train_tokens), ("val", val_tokens)):
         if len(toks) <= t.seq_len:
             raise ConfigError(f"the {name} split has {len(toks)} tokens, too few for seq_len={t.seq_len}; "
                               f"add text or lower data.val_fraction / train.seq_len")
-    if rank == 0:  # the first file of the run, written once every check has passed
-        os.makedirs(run_dir, exist_ok=True)
-        OmegaConf.save(cfg, os.path.join(run_dir, "config.yaml"), resolve=True)
 
     # --- model: built on the meta device and materialized in place, so no full copy is ever made elsewhere
     mcfg = model_config(cfg, meta["vocab_size"])
@@ -234,11 +298,31 @@ def run(cfg, run_dir):
     # MFU only where the datasheet's peak is known (parallel/plan.py GPUS); a CPU's is not a number we can state
     peak = plan.peak_flops(torch.cuda.get_device_name(device)) if device.startswith("cuda") else None
 
-    metrics = Metrics(cfg, run_dir, rank)
+    # --- resume: any strategy's checkpoint at any world size loads into this one (parallel/checkpoint.py)
+    tokenizer_spec = prepare.tokenizer_spec(data_dir, meta)
+    start, wandb_id = 0, None
+    if resume:
+        info = checkpoint.load(resume, model, opt)
+        if info["model"]["vocab_size"] != mcfg.vocab_size or info["tokenizer_sha256"] != sha256_json(tokenizer_spec):
+            raise checkpoint.CheckpointError(f"{resume} was trained with another tokenizer or vocab "
+                                             f"({info['model']['vocab_size']} tokens) than data={cfg.data.source}'s")
+        start, wandb_id = info["step"], info.get("wandb_id")
+        print0(f"resumed from {resume}: step {start}, written by parallel={info['parallel']['name']} on "
+               f"{info['world_size']} rank(s)")
+        if start >= t.max_steps:
+            print0(f"step {start} is already train.max_steps={t.max_steps}: nothing to train "
+                   f"(raise train.max_steps to go on)")
+    if rank == 0:  # the run's first files, written once every check has passed (a resumed run keeps its config)
+        os.makedirs(run_dir, exist_ok=True)
+        name = "config.yaml" if not os.path.exists(os.path.join(run_dir, "config.yaml")) or same_config(cfg, run_dir) \
+            else f"config.step{start}.yaml"
+        OmegaConf.save(cfg, os.path.join(run_dir, name), resolve=True)
+
+    metrics = Metrics(cfg, run_dir, rank, wandb_id)
     tokens_per_step = t.global_batch_size * t.seq_len
     reduce_bytes = parallel.DTYPES[cfg.parallel.get("reduce_dtype", "float32")].itemsize
     dp, tp = parallel.degrees(cfg.parallel, world)
-    metrics.log({"step": 0, "n_params": n_params, "param_bytes": n_params * reduce_bytes, "world_size": world,
+    metrics.log({"step": start, "n_params": n_params, "param_bytes": n_params * reduce_bytes, "world_size": world,
                  "dp": dp, "tp": tp,
                  "flops_per_token": flops_per_token, "tokens_per_step": tokens_per_step, "grad_accum": accum,
                  "device": device, "dtype": dtype, "parallel": cfg.parallel.name,
@@ -246,14 +330,30 @@ def run(cfg, run_dir):
     print0(f"model: {n_params / 1e6:.2f}M parameters, vocab {mcfg.vocab_size} (padded {mcfg.padded_vocab_size}) | "
            f"data: {len(train_tokens):,} train / {len(val_tokens):,} val tokens | {device} {dtype} | "
            f"{world} rank(s) {cfg.parallel.name}, grad accumulation {accum} | run dir {run_dir}")
+    if resume:
+        metrics.log({"step": start, "resumed_from": resume})
+    ckpt, last_checkpoint = cfg.checkpoint, resume
+    ckpt_info = {"world_size": world, "dp": dp, "tp": tp, "parallel": OmegaConf.to_container(cfg.parallel),
+                 "model": dataclasses.asdict(mcfg), "tokenizer_sha256": sha256_json(tokenizer_spec),
+                 "wandb_id": metrics.id, "config": OmegaConf.to_container(cfg, resolve=True)}
+    if rank == 0:
+        print0(f"checkpoints: every {ckpt.every} steps and at the last, in {os.path.join(run_dir, 'checkpoints')}"
+               if ckpt.keep else "checkpoints: none (checkpoint.keep=0)")
 
     # --- the loop. `step` counts finished optimizer steps; evaluation runs at 0, every eval_every, and at the end.
-    record = {"step": 0, "val_loss": evaluate(model, opt, val_tokens, cfg, autocast, device, rank, world)}
-    metrics.log(record)
-    print0(f"step 0: val loss {record['val_loss']:.4f}")
-    bar = tqdm(range(1, t.max_steps + 1), disable=rank != 0, desc="train", dynamic_ncols=True, file=sys.stdout,
+    # A resumed run picks up at the step after its checkpoint's: batches and the learning rate are functions of the
+    # step, so the steps are the very ones an uninterrupted run takes.
+    record = {"step": start}
+    if start == 0:
+        record["val_loss"] = evaluate(model, opt, val_tokens, cfg, autocast, device, rank, world)
+        metrics.log(record)
+        print0(f"step 0: val loss {record['val_loss']:.4f}")
+    bar = tqdm(range(start + 1, t.max_steps + 1), initial=start, total=t.max_steps, disable=rank != 0, desc="train",
+               dynamic_ncols=True, file=sys.stdout,
                mininterval=0.1 if sys.stdout.isatty() else 30)  # a log file gets a line every 30 s, not thousands
     t_last, tokens_since = time.time(), 0
+    preemption, stop = Preemption(), False
+    first_bad = torch.tensor(t.max_steps + 1, device=device)  # the first step whose loss or grad norm was not finite
     for step in bar:
         lr = lr_at(step - 1, o, t.max_steps)
         for group in opt.param_groups:
@@ -278,8 +378,14 @@ def run(cfg, run_dir):
         state = parallel.state_bytes(model, opt)  # after the step, before zero_grad: everything resident
         opt.zero_grad(set_to_none=True)
         tokens_since += tokens_per_step
+        finite = torch.isfinite(loss_sum) & torch.isfinite(grad_norm).to(device)
+        first_bad = torch.where(finite | (first_bad < step), first_bad, step)
 
         record = {"step": step}
+        stop = preemption.requested(device, world)
+        save = ckpt.keep > 0 and (step == t.max_steps or stop or (ckpt.every > 0 and step % ckpt.every == 0))
+        if step % t.log_every == 0 or step == t.max_steps or save or step % t.eval_every == 0:
+            check_finite(first_bad, step, world, last_checkpoint)
         if step % t.log_every == 0 or step == t.max_steps:
             if world > 1:
                 dist.all_reduce(loss_sum)
@@ -307,13 +413,22 @@ def run(cfg, run_dir):
             t_last = time.time()  # evaluation time is not training throughput
         if len(record) > 1:
             metrics.log(record)
+        if save:  # every rank writes its own shard; no rank gathers the model
+            last_checkpoint = checkpoint.save(
+                os.path.join(run_dir, "checkpoints"), step, model, opt, keep=ckpt.keep,
+                files={"state.json": {**ckpt_info, "step": step, "preempted": stop,
+                                      "data": {"seed": t.seed, "next_batch": step, "global_batch_size":
+                                               t.global_batch_size, "seq_len": t.seq_len,
+                                               "tokens_seen": step * tokens_per_step}},
+                       "tokenizer.json": tokenizer_spec})
+        if stop:
+            bar.write(f"SIGTERM: stopped after step {step}, checkpoint {last_checkpoint}") if rank == 0 else None
+            break
     bar.close()
+    preemption.close()
 
-    if t.checkpoint:
-        weights = parallel.full_state_dict(model, opt)  # gathered: a collective under sharding strategies
-        if rank == 0:
-            save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), weights, opt, t.max_steps, cfg)
-    if t.sample_tokens > 0:  # every rank samples the same way: a sharded model needs all of them to run forward
+    # every rank samples the same way: a sharded model needs all of them to run forward (not after a SIGTERM)
+    if t.sample_tokens > 0 and not stop:
         torch.manual_seed(t.seed)
         prompt = torch.tensor([enc.encode_ordinary(t.sample_prompt) or [prepare.tokenizer.eot_id(enc)]], device=device)
         with autocast:
@@ -352,7 +467,7 @@ def main(cfg):
         else:
             launch.ranks_from_submitit()
             run(cfg, run_dir)
-    except (ConfigError, prepare.DataError, launch.LaunchError) as e:
+    except (ConfigError, prepare.DataError, launch.LaunchError, checkpoint.CheckpointError, Diverged) as e:
         if not sweep:
             sys.exit(f"error: {e}")
         print(f"error: job #{hc.job.num} ({hc.job.override_dirname}): {e}", file=sys.stderr, flush=True)

@@ -174,10 +174,14 @@ def write_split(docs, dtype, out, val_fraction):
     return w.count
 
 
+def tokenizer_spec(folder, meta):
+    return tokenizer.spec("gpt2" if meta["tokenizer"] == "gpt2" else os.path.join(folder, "bpe"))
+
+
 def load(folder):
     """(train tokens, val tokens, tokenizer Encoding, meta) of a prepared cache folder."""
     with open(os.path.join(folder, "meta.json")) as f:
         meta = json.load(f)
-    enc = tokenizer.gpt2() if meta["tokenizer"] == "gpt2" else tokenizer.load_bpe(os.path.join(folder, "bpe"))
+    enc = tokenizer.from_spec(tokenizer_spec(folder, meta))
     return shards.read_shard(os.path.join(folder, "train.bin")), shards.read_shard(os.path.join(folder, "val.bin")), \
         enc, meta

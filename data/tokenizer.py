@@ -11,7 +11,6 @@ import json
 import os
 
 import tiktoken
-from tiktoken.load import load_tiktoken_bpe
 
 EOT = "<|endoftext|>"
 
@@ -46,11 +45,28 @@ def save_bpe(path, ranks, pattern):
 
 
 def load_bpe(path):
-    ranks = load_tiktoken_bpe(path + ".tiktoken")
+    return from_spec(spec(path))
+
+
+def spec(path):
+    """A tokenizer as one JSON object, for checkpoints and exported models: "gpt2" by name (path "gpt2"), a trained
+    BPE (path: its files without extension) in full, ranks and all."""
+    if path == "gpt2":
+        return {"kind": "gpt2"}
+    with open(path + ".tiktoken") as f:
+        ranks = f.read()
     with open(path + ".json") as f:
-        meta = json.load(f)
-    return tiktoken.Encoding(name=os.path.basename(path), pat_str=meta["pattern"], mergeable_ranks=ranks,
-                             special_tokens=meta["special_tokens"])
+        return {"kind": "bpe", "name": os.path.basename(path), "ranks": ranks, **json.load(f)}
+
+
+def from_spec(s):
+    """The tiktoken Encoding of a spec()."""
+    if s["kind"] == "gpt2":
+        return gpt2()
+    ranks = {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in s["ranks"].splitlines()
+                                                                    if line)}
+    return tiktoken.Encoding(name=s["name"], pat_str=s["pattern"], mergeable_ranks=ranks,
+                             special_tokens=s["special_tokens"])
 
 
 def eot_id(enc):

@@ -33,7 +33,7 @@ KNOBS = [("prefetch=0", ["parallel.prefetch=0"]),
          ("blocks_per_unit=2", ["parallel.blocks_per_unit=2"]),
          ("activation_checkpointing=full", ["train.activation_checkpointing=full"])]
 DEFAULTS = ["train.global_batch_size=32", "train.micro_batch_size=8", "train.max_steps=25", "train.log_every=5",
-            "train.eval_every=1000", "train.eval_steps=1", "train.sample_tokens=0", "train.checkpoint=false",
+            "train.eval_every=1000", "train.eval_steps=1", "train.sample_tokens=0", "checkpoint.keep=0",
             "logger.mode=disabled"]
 
 

@@ -10,8 +10,8 @@
 Choices:
 - One run dir per job. Under torchrun every rank runs Hydra, so the dir's timestamp is `${launch_time:...}`: rank 0's
   clock, formatted by rank 0 and handed to the others through torchrun's rendezvous store (no per-rank dirs, even
-  across machines and time zones). Self-launched ranks get the dir from the process that started them, SLURM tasks
-  from the config the sweep resolved before submitting.
+  across machines and time zones), and the same again after torchrun restarts the ranks. Self-launched ranks get
+  the dir from the process that started them, SLURM tasks from the config the sweep resolved before submitting.
 - Rank 0 keeps the console. Rank k > 0 sends its stdout and stderr, at the file-descriptor level so that C++ warnings
   follow, to rank<k>.log in the run dir; only rank 0 writes the config, metrics.jsonl and the W&B run.
 - A failed rank fails its job with one line: which ranks ended, how, and where their output is.
@@ -62,15 +62,34 @@ def _rank0_string(key, value):
     store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                                        is_master=rank == 0 and not agent_store, multi_tenant=True,
                                        wait_for_workers=False, timeout=datetime.timedelta(minutes=10))
-    key = f"nanoparallel/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/{key}"
+    key = f"nanoparallel/{key}"
     if rank == 0:
-        store.set(key, value)
+        # the first launch's value, also after torchrun restarts the workers (--max-restarts): the agent's store
+        # outlives them, so a restarted run finds its run dir, and train.resume=auto its checkpoints
+        value = store.compare_set(key, "", value).decode()
         _store = store
         return value
     return store.get(key).decode()
 
 
 OmegaConf.register_new_resolver("launch_time", launch_time, use_cache=True, replace=True)
+
+
+def process_group_store():
+    """init_process_group's keyword arguments for the store its ranks meet through. Usually none: torchrun's (or
+    SLURM's) environment says where (env://). One process launched by nobody gets a local store. Ranks that torchrun
+    restarted (--max-restarts) get the agent's store under a prefix of their own: the agent keeps one store for all
+    attempts, and without the prefix the new ranks read the old ranks' addresses and gloo connects to dead ones."""
+    if "MASTER_ADDR" not in os.environ:
+        return {"store": torch.distributed.HashStore(), "rank": 0, "world_size": 1}
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    world = int(os.environ["WORLD_SIZE"])
+    store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                       is_master=False, timeout=datetime.timedelta(minutes=10))
+    return {"store": torch.distributed.PrefixStore(f"nanoparallel/attempt_{attempt}", store),
+            "rank": int(os.environ["RANK"]), "world_size": world}
 
 
 def in_submitit_job():

@@ -38,12 +38,14 @@ from parallel import buckets
 
 def owned_segments(params, offsets, lo, hi, shard, grad_shard, out):
     """For params laid out at `offsets` in a flat space, the views of `shard` (which holds [lo, hi) of that space)
-    that belong to each; each view's .grad is the matching view of grad_shard. Adds {param: [views]} to `out`."""
+    that belong to each; each view's .grad is the matching view of grad_shard, and its .param_offset where in the
+    flattened parameter it starts (for checkpoints). Adds {param: [views]} to `out`."""
     for p, o in zip(params, offsets):
         a, z = max(o, lo), min(o + p.numel(), hi)
         if a < z:  # this parameter overlaps the slice: that piece is one segment
             seg = shard[a - lo: z - lo]
             seg.grad = grad_shard[a - lo: z - lo]
+            seg.param_offset = a - o
             out.setdefault(p, []).append(seg)
     return out
 
@@ -100,6 +102,7 @@ class ZeroOptimizer:
                     p.grad = b.state["grad"][o: o + p.numel()].view_as(p)
             owned_segments(b.params, b.offsets, lo, hi, flat[lo:hi], b.state["grad_shard"], segments)
             dist.broadcast(flat, src=src, group=group)  # every rank starts from the same weights
+        self.segments = segments
         self.optimizer = sharded_optimizer(template, segments)
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
         self.hooks = buckets.ReadyHooks(self.buckets, self._reduce_scatter, self._wait)

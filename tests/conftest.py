@@ -112,10 +112,16 @@ def losses(run_dir):
     return torch.tensor([r["loss"] for r in read_metrics(run_dir) if "loss" in r], dtype=torch.float64)
 
 
+def final_weights(run_dir):
+    """The run's weights at its last checkpoint, consolidated from whatever shards its ranks wrote."""
+    from parallel import checkpoint
+    return checkpoint.consolidate(checkpoint.find(run_dir))[0]
+
+
 def assert_same_weights(run_dir, ref_dir, atol=1e-6):
-    """Final weights (checkpoint.pt, gathered) equal to the reference run's."""
+    """Final weights (the last checkpoint's) equal to the reference run's."""
     import torch
-    got, ref = (torch.load(os.path.join(d, "checkpoint.pt"), weights_only=True)["model"] for d in (run_dir, ref_dir))
+    got, ref = final_weights(run_dir), final_weights(ref_dir)
     assert got.keys() == ref.keys()
     # atol 1e-6 (weights are ~2e-2): Adam divides by sqrt(v), so in embedding rows of rare tokens, whose gradients
     # are tiny, the rounding of a different summation order grows to a few 1e-7 (5e-7 seen after 6 steps)

@@ -129,7 +129,7 @@ def test_peak_memory_a_third_of_ddp(tmp_path):
     # and deep enough that the few units in flight are a small part of the model
     for size in ({"model.n_layer": 24, "model.n_embd": 512}, {"model.n_layer": 24, "model.n_embd": 640}):
         shape = [f"{k}={v}" for k, v in size.items()] + ["model.n_head=4", "train.max_steps=1",
-                                                         "train.checkpoint=false", "train.eval_steps=1"]
+                                                         "checkpoint.keep=0", "train.eval_steps=1"]
         for strategy in ("ddp", "fsdp"):
             run_dir = str(tmp_path / f"{strategy}-{size['model.n_embd']}")
             # a fixed mmap threshold: glibc then returns every freed large buffer to the OS at once, so the peak

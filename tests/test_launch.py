@@ -58,7 +58,7 @@ def test_torchrun_two_agents_share_one_run_dir(tmp_path):
         assert a.returncode == 0, output[-5000:]
     (run_dir,) = glob.glob(str(out / "*" / "*"))  # one dir, no stray per-rank ones
     assert os.path.isdir(run_dir) and len(os.listdir(out)) == 1
-    assert sorted(os.listdir(run_dir)) == ["checkpoint.pt", "config.yaml", "metrics.jsonl", "rank1.log"]
+    assert sorted(os.listdir(run_dir)) == ["checkpoints", "config.yaml", "metrics.jsonl", "rank1.log"]
     assert read_metrics(run_dir)[0]["world_size"] == 2
     assert_rank_logs(run_dir, 2)
 
@@ -77,7 +77,7 @@ def test_self_launch_on_two_nodes_shares_one_run_dir(tmp_path):
         assert n.returncode == 0, output[-5000:]
     (run_dir,) = glob.glob(str(out / "*" / "*"))  # the other node's unused dir is gone
     assert len(os.listdir(out)) == 1
-    assert sorted(os.listdir(run_dir)) == ["checkpoint.pt", "config.yaml", "metrics.jsonl", "rank1.log"]
+    assert sorted(os.listdir(run_dir)) == ["checkpoints", "config.yaml", "metrics.jsonl", "rank1.log"]
     assert read_metrics(run_dir)[0]["world_size"] == 2
 
 

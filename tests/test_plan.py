@@ -20,7 +20,7 @@ from parallel import plan
 # 4 heads so that tensor parallelism can split them 4 ways; global 8 in micro-batches of 2: accumulation 4, 2, 1 at
 # 1, 2, 4 data-parallel ranks; float32 on both sides (the planner's default is bf16 activations)
 SHORT = ("model.n_head=4", "train.global_batch_size=8", "train.micro_batch_size=2", "train.max_steps=2",
-         "train.eval_every=100", "train.eval_steps=1", "train.checkpoint=false", "train.dtype=float32")
+         "train.eval_every=100", "train.eval_steps=1", "checkpoint.keep=0", "train.dtype=float32")
 
 
 def measured_layouts():

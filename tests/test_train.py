@@ -46,7 +46,7 @@ def test_short_run_learns_and_logs(tmp_path):
     for r in losses:
         assert history[r["step"]]["loss"] == pytest.approx(r["loss"])
     assert history[40]["val_loss"] == pytest.approx(vals[-1][1])
-    assert os.path.exists(os.path.join(run_dir, "checkpoint.pt"))
+    assert os.listdir(os.path.join(run_dir, "checkpoints")) == ["step_0000040"]  # keep=2, every=100: the last only
     assert "seq_len: 64" in open(os.path.join(run_dir, "config.yaml")).read()  # the resolved config
 
 
@@ -71,6 +71,8 @@ def bad(tmp_path, *overrides):
     (["train.dtype=float16"], "expected auto, float32 or bfloat16"),
     (["logger.mode=sometimes"], "expected offline, online or disabled"),
     (["train.max_steps=0"], "at least 1"),
+    (["checkpoint.every=-1"], "checkpoint.every=-1 must be a whole number"),
+    (["train.resume=/nonexistent/run"], "train.resume=/nonexistent/run: /nonexistent/run: no such checkpoint"),
 ])
 def test_bad_settings(tmp_path, overrides, message):
     assert message in bad(tmp_path, *overrides)
