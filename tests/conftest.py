@@ -5,6 +5,7 @@ import json
 import os
 import struct
 import sysconfig
+import time
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -49,35 +50,44 @@ def read_metrics(run_dir):
         return [json.loads(line) for line in f]
 
 
-def read_wandb_history(run_dir):
+def read_wandb_history(run_dir, wait_s=60):
     """The history rows of the offline W&B run in run_dir, decoded from its .wandb file.
 
     The file is W&B's 7-byte header ("W&B", version) then LevelDB-log framing: 32 KiB blocks of records, each
-    a 7-byte header (crc32c, length, type: 1 full, 2 first, 3 middle, 4 last) and a piece of a protobuf Record."""
+    a 7-byte header (crc32c, length, type: 1 full, 2 first, 3 middle, 4 last) and a piece of a protobuf Record.
+    W&B's own process writes it and may still be flushing after wandb.finish() returns (a CI run once read it
+    before the history was there), so this waits for the run's closing `exit` record."""
     from wandb.proto import wandb_internal_pb2 as pb
     (path,) = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))
-    data = open(path, "rb").read()
-    assert data[:3] == b":W&" or data[:4] == b":W&B", data[:8]
-    pos, block, rows, pending = 7, 32768, [], b""
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        if left < 7:  # block trailer: padding
-            pos += left
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if kind == 0 and length == 0:
-            pos += left
-            continue
-        pending += data[pos + 7: pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):
-            rec = pb.Record()
-            rec.ParseFromString(pending)
-            pending = b""
-            if rec.WhichOneof("record_type") == "history":
-                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                             for item in rec.history.item})
-    return rows
+    deadline = time.time() + wait_s
+    while True:
+        data = open(path, "rb").read()
+        assert data[:3] == b":W&" or data[:4] == b":W&B", data[:8]
+        pos, block, records, pending = 7, 32768, [], b""
+        while pos + 7 <= len(data):
+            left = block - pos % block
+            if left < 7:  # block trailer: padding
+                pos += left
+                continue
+            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            if kind == 0 and length == 0:
+                pos += left
+                continue
+            if pos + 7 + length > len(data):  # a record still being written
+                break
+            pending += data[pos + 7: pos + 7 + length]
+            pos += 7 + length
+            if kind in (1, 4):
+                rec = pb.Record()
+                rec.ParseFromString(pending)
+                pending = b""
+                records.append(rec)
+        if records and records[-1].WhichOneof("record_type") == "exit":
+            break
+        assert time.time() < deadline, f"{path}: no exit record after {wait_s} s (the W&B run never finished)"
+        time.sleep(0.2)
+    return [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in rec.history.item}
+            for rec in records if rec.WhichOneof("record_type") == "history"]
 
 
 def torchrun(nproc, run_dir, *overrides, timeout=240, env=None):
