@@ -227,12 +227,8 @@ class Preemption:
     def _set(self, signum, frame):
         self.flag = True
 
-    def requested(self, device, world):
-        if world == 1:
-            return self.flag
-        t = torch.tensor([int(self.flag)], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+    def requested(self):
+        return parallel.all_ranks(self.flag, dist.ReduceOp.MAX)
 
     def close(self):
         if self.old is not None:
@@ -300,10 +296,11 @@ def run(cfg, run_dir):
 
     # --- resume: any strategy's checkpoint at any world size loads into this one (parallel/checkpoint.py)
     tokenizer_spec = prepare.tokenizer_spec(data_dir, meta)
+    tokenizer_sha256 = sha256_json(tokenizer_spec)
     start, wandb_id = 0, None
     if resume:
         info = checkpoint.load(resume, model, opt)
-        if info["model"]["vocab_size"] != mcfg.vocab_size or info["tokenizer_sha256"] != sha256_json(tokenizer_spec):
+        if info["model"]["vocab_size"] != mcfg.vocab_size or info["tokenizer_sha256"] != tokenizer_sha256:
             raise checkpoint.CheckpointError(f"{resume} was trained with another tokenizer or vocab "
                                              f"({info['model']['vocab_size']} tokens) than data={cfg.data.source}'s")
         start, wandb_id = info["step"], info.get("wandb_id")
@@ -334,7 +331,7 @@ def run(cfg, run_dir):
         metrics.log({"step": start, "resumed_from": resume})
     ckpt, last_checkpoint = cfg.checkpoint, resume
     ckpt_info = {"world_size": world, "dp": dp, "tp": tp, "parallel": OmegaConf.to_container(cfg.parallel),
-                 "model": dataclasses.asdict(mcfg), "tokenizer_sha256": sha256_json(tokenizer_spec),
+                 "model": dataclasses.asdict(mcfg), "tokenizer_sha256": tokenizer_sha256,
                  "wandb_id": metrics.id, "config": OmegaConf.to_container(cfg, resolve=True)}
     if rank == 0:
         print0(f"checkpoints: every {ckpt.every} steps and at the last, in {os.path.join(run_dir, 'checkpoints')}"
@@ -382,7 +379,7 @@ def run(cfg, run_dir):
         first_bad = torch.where(finite | (first_bad < step), first_bad, step)
 
         record = {"step": step}
-        stop = preemption.requested(device, world)
+        stop = preemption.requested()
         save = ckpt.keep > 0 and (step == t.max_steps or stop or (ckpt.every > 0 and step % ckpt.every == 0))
         if step % t.log_every == 0 or step == t.max_steps or save or step % t.eval_every == 0:
             check_finite(first_bad, step, world, last_checkpoint)

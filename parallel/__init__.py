@@ -12,12 +12,13 @@ tp and fsdp_tp lay the ranks out as a 2D ("dp", "tp") mesh from init_device_mesh
 of `tp` neighbouring ranks, data parallel (DDP for tp, FSDP for fsdp_tp) across the groups.
 
 This file is the small surface train.py uses: apply() wraps the model and builds the optimizer; no_sync(),
-loss_parallel(), clip_grad_norm() and full_state_dict() hide which wrapper holds what; theory() (from plan.py) and
-state_bytes() are the accounting.
+loss_parallel() and clip_grad_norm() hide which wrapper holds what; all_ranks() is a flag every rank agrees on;
+theory() (from plan.py) and state_bytes() are the accounting.
 """
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
@@ -132,7 +133,6 @@ def apply(model, p, make_optimizer, device):
 def _apply_tp(model, p, make_optimizer, device):
     """Tensor parallel over the "tp" dimension of a (dp, tp) mesh; over "dp": DDP (parallel=tp) or FSDP
     (parallel=fsdp_tp). The scratch code runs on the mesh's process groups."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     dp, tp = degrees(p, dist.get_world_size())
     mesh = init_device_mesh(torch.device(device).type, (dp, tp), mesh_dim_names=("dp", "tp"))
@@ -296,21 +296,14 @@ def _clip_tp(model, opt, max_norm):
                        weights=[1 / tp if replicated else 1.0 for _, replicated in pieces])
 
 
-def full_state_dict(model, opt):
-    """The whole model's weights as plain CPU tensors. A collective under FSDP and TP: every rank must call it."""
-    inner = unwrap(model)
-    if hasattr(inner, "mesh"):  # our tensor parallel: the tp-local tensors (FSDP: gathered over dp first)
-        local = opt.full_state_dict(inner) if isinstance(opt, FSDP) else inner.state_dict()
-        return tensor_parallel.gather_full(local, inner.mesh.get_group("tp"), inner.mesh.device_type)
-    if isinstance(opt, FSDP):
-        return opt.full_state_dict(model)
-    model = inner
-    if isinstance(model, FSDPModule):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    else:
-        sd = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
-    return {k: v.detach().cpu().clone() for k, v in sd.items()}  # clone: views would save whole flat buffers
+def all_ranks(flag, op):
+    """A boolean every rank agrees on (op dist.ReduceOp.MIN: true on all of them; MAX: true on any). One process
+    without a process group: the flag itself."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([int(flag)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=op)
+    return bool(t.item())
 
 
 def state_bytes(model, opt):

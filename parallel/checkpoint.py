@@ -50,7 +50,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from parallel import tp as tensor_parallel
-from parallel import unwrap
+from parallel import all_ranks, unwrap
 from parallel.fsdp import FSDP
 from parallel.zero import ZeroOptimizer
 
@@ -213,15 +213,6 @@ def _local_tensors(sd):
             yield v
 
 
-def _all_ranks(flag, op):
-    """A boolean agreed by every rank (op MIN: all true; MAX: any true)."""
-    if not dist.is_initialized():
-        return flag
-    t = torch.tensor([int(flag)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t, op=op)
-    return bool(t.item())
-
-
 # --- saving
 def save(root, step, model, opt, files, keep):
     """Write checkpoint step_<step> under `root` (every rank calls it) and keep the newest `keep`; returns its path.
@@ -233,7 +224,7 @@ def save(root, step, model, opt, files, keep):
         return final
     sd, _ = state_dict(model, opt)
     finite = all(bool(torch.isfinite(t).all()) for t in _local_tensors(sd) if t.is_floating_point())
-    if not _all_ranks(finite, dist.ReduceOp.MIN):
+    if not all_ranks(finite, dist.ReduceOp.MIN):
         raise CheckpointError(f"step {step}: the weights or optimizer state are not finite (nan/inf); no checkpoint "
                               f"written, earlier ones in {root} are untouched")
     sd.update(_rng_state(rank))

@@ -177,18 +177,6 @@ class FSDP:
             self._settle(pending)
         self.pending_reduce = []
 
-    def full_state_dict(self, model):
-        """Every parameter, gathered unit by unit from the fp32 shards: the model's state_dict as plain CPU tensors.
-        A collective: every rank calls it. Peak: one unit gathered."""
-        names = {p: n for n, p in model.named_parameters()}
-        out = {}
-        for u in self.units:
-            full = torch.empty(u.numel, dtype=torch.float32, device=self.device)
-            dist.all_gather_single(full, u.state["master"].to(self.device), group=self.group)
-            for p, o in zip(u.params, u.offsets):
-                out[names[p]] = full[o: o + p.numel()].view(p.shape).cpu().clone()
-        return out
-
     # --- the optimizer's interface
     def no_sync(self):
         return self.hooks.no_sync()

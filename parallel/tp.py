@@ -269,20 +269,3 @@ def sync_replicated_grads(pieces, group):
     for g in pieces:
         g.copy_(flat[offset: offset + g.numel()].view_as(g))
         offset += g.numel()
-
-
-@torch.no_grad()
-def gather_full(local_state, group, device):
-    """{name: full CPU tensor} from {name: this rank's local tensor}: all-gather each sharded one along its
-    dimension (on `device`: nccl reduces device tensors). A collective: every rank of the group calls it."""
-    n = dist.get_world_size(group)
-    out = {}
-    for name, t in local_state.items():
-        d = shard_dim(name)
-        if d is None:
-            out[name] = t.cpu()
-            continue
-        parts = [torch.empty_like(t, device=device) for _ in range(n)]
-        dist.all_gather(parts, t.to(device).contiguous(), group=group)
-        out[name] = torch.cat(parts, dim=d).cpu()
-    return out

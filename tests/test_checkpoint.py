@@ -15,7 +15,7 @@ import torch
 
 import sample
 import train
-from conftest import ROOT, final_weights, make_cfg, read_metrics, small_run, torchrun
+from conftest import ROOT, assert_same_weights, make_cfg, read_metrics, small_run, torchrun
 from data import prepare, shards
 from parallel import checkpoint
 
@@ -28,10 +28,7 @@ def step_losses(run_dir):
 
 
 def assert_identical(run_dir, ref_dir):
-    got, ref = final_weights(run_dir), final_weights(ref_dir)
-    assert got.keys() == ref.keys()
-    for k in ref:
-        assert torch.equal(got[k], ref[k]), f"{k}: max diff {(got[k] - ref[k]).abs().max()}"
+    assert_same_weights(run_dir, ref_dir, atol=0, rtol=0)  # bit for bit
 
 
 @pytest.fixture(scope="module")
@@ -243,9 +240,7 @@ def test_resharding_chain_across_strategies_and_world_sizes(tmp_path):
               f"{[round(x / 1024) for x in sizes]}")
         prev, saver = run_dir, here
     # and the chain ends where one process alone would: weights within the cross-strategy tolerance
-    got, ref = final_weights(prev), final_weights(str(tmp_path / "single"))
-    for k in ref:
-        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-5)
+    assert_same_weights(prev, str(tmp_path / "single"), atol=1e-5, rtol=1e-5)
 
 
 # --- faults under torchrun: a rank killed with SIGKILL, the job preempted with SIGTERM
