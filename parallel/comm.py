@@ -1,21 +1,31 @@
-"""Count every collective this rank takes part in, and the bytes it moves, whoever launched it.
+"""Count every collective this rank takes part in, and the bytes it moves, whoever launched it, at one Python call
+per collective.
 
-Python code that calls torch.distributed, torch's DistributedDataParallel reducer (C++), FSDP2 and DTensor all reach
-the process group through the dispatcher's c10d ops (`c10d::allreduce_`, `c10d::_reduce_scatter_base_`, ...) or the
-functional collectives (`_c10d_functional::all_reduce`, ...). A TorchDispatchMode sees each of them, on every thread
-that autograd runs, so the count does not depend on which implementation made the call.
+Our strategies, torch's FSDP2 and ZeroRedundancyOptimizer call torch.distributed's Python functions
+(`dist.all_reduce`, `dist.reduce_scatter_single`, ...); DTensor calls the functional collectives
+(`torch.distributed._functional_collectives.all_reduce`, ...); torch's C++ DistributedDataParallel reducer reaches
+Python only through its communication hook, so parallel/ddp.py gives it torch's own all-reduce hook, which calls
+`dist.all_reduce`. `install()` wraps those functions once, in place: each call adds its bytes to the counters that are
+open, then runs the original. Nothing sits on the path of ordinary ops (a TorchDispatchMode would see every aten op
+of every step, and makes torch.compile fall back to eager).
 
 Volume is counted by the full tensor, the convention of the ZeRO paper (Rajbhandari et al., 2020, sec. 7):
   all-reduce of t = 2 * bytes(t)      (a reduce-scatter then an all-gather of t)
   reduce-scatter  = bytes of its input   all-gather = bytes of its output   broadcast = bytes(t)
 With Psi = bytes of all parameters in the communicated dtype: DDP moves 2 Psi per step (one all-reduce), ZeRO-1/2
-2 Psi (reduce-scatter + all-gather), ZeRO-3 3 Psi (two all-gathers + one reduce-scatter).
+2 Psi (reduce-scatter + all-gather), ZeRO-3 3 Psi (two all-gathers + one reduce-scatter). Point-to-point sends and
+receives count the bytes of their tensor, as kind "p2p". Each count is also filed under the mesh dimension its
+process group belongs to (`name_groups`), "world" for the default group.
 """
+import functools
+import inspect
+import threading
 from collections import Counter
 
 import torch
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.distributed.distributed_c10d as c10d
 
 
 def _nbytes(ts):
@@ -24,51 +34,108 @@ def _nbytes(ts):
     return sum(_nbytes(t) for t in ts)  # lists (of lists) of tensors
 
 
-# op name -> (kind, bytes it moves); args as the c10d / functional schemas order them
-VOLUME = {
-    "allreduce_": ("all_reduce", lambda a: 2 * _nbytes(a[0])),
-    "allreduce_coalesced_": ("all_reduce", lambda a: 2 * _nbytes(a[0])),
-    "all_reduce": ("all_reduce", lambda a: 2 * _nbytes(a[0])),
-    "all_reduce_coalesced": ("all_reduce", lambda a: 2 * _nbytes(a[0])),
-    "_reduce_scatter_base_": ("reduce_scatter", lambda a: _nbytes(a[1])),
-    "reduce_scatter_": ("reduce_scatter", lambda a: _nbytes(a[1])),
-    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", lambda a: _nbytes(a[1])),
-    "reduce_scatter_tensor": ("reduce_scatter", lambda a: _nbytes(a[0])),
-    "reduce_scatter_tensor_coalesced": ("reduce_scatter", lambda a: _nbytes(a[0])),
-    "_allgather_base_": ("all_gather", lambda a: _nbytes(a[0])),
-    "allgather_": ("all_gather", lambda a: _nbytes(a[0])),
-    "allgather_into_tensor_coalesced_": ("all_gather", lambda a: _nbytes(a[0])),
-    "all_gather_into_tensor": ("all_gather", lambda a: _nbytes(a[0]) * a[1]),  # (input, group_size, group)
-    "all_gather_into_tensor_coalesced": ("all_gather", lambda a: _nbytes(a[0]) * a[1]),
-    "broadcast_": ("broadcast", lambda a: _nbytes(a[0])),
-    "broadcast": ("broadcast", lambda a: _nbytes(a[0])),
+def _group_size(group):
+    return dist.get_world_size(_resolve(group))
+
+
+# function name -> (kind, the argument whose bytes it moves, how many times they count); "size": x the group's size
+C10D = {
+    "all_reduce": ("all_reduce", "tensor", 2), "all_reduce_coalesced": ("all_reduce", "tensors", 2),
+    "reduce_scatter_single": ("reduce_scatter", "input", 1), "reduce_scatter_tensor": ("reduce_scatter", "input", 1),
+    "reduce_scatter": ("reduce_scatter", "input_list", 1),
+    "all_gather_single": ("all_gather", "output_tensor", 1), "all_gather_into_tensor": ("all_gather", "output_tensor", 1),
+    "all_gather": ("all_gather", "tensor_list", 1),
+    "broadcast": ("broadcast", "tensor", 1), "all_to_all_single": ("all_to_all", "input", 1),
+    "send": ("p2p", "tensor", 1), "recv": ("p2p", "tensor", 1), "isend": ("p2p", "tensor", 1),
+    "irecv": ("p2p", "tensor", 1),
 }
-# not collectives of their own: synchronization, point-to-point, and the wrapper that gives a functional result autograd
-IGNORED = {"barrier", "monitored_barrier_", "wait_tensor", "send", "recv_", "recv_any_source_", "isend", "irecv",
-           "batch_p2p_ops", "_wrap_tensor_autograd"}
+FUNCOL = {
+    "all_reduce": ("all_reduce", "self", 2), "all_reduce_coalesced": ("all_reduce", "self", 2),
+    "reduce_scatter_tensor": ("reduce_scatter", "self", 1), "reduce_scatter_single": ("reduce_scatter", "self", 1),
+    "all_gather_tensor": ("all_gather", "self", "size"), "all_gather_single": ("all_gather", "self", "size"),
+    "broadcast": ("broadcast", "self", 1), "all_to_all_single": ("all_to_all", "self", 1),
+}
+
+_open = []  # the counters inside whose `with` block this process is
+_names = {}  # process group -> mesh dimension name
+_inside = threading.local()  # a counted call that calls another (all_gather_single -> all_gather_into_tensor) counts once
 
 
-class CommCounter(TorchDispatchMode):
-    """`with CommCounter() as c: ...` -> c.bytes, c.by_kind {kind: bytes}, c.calls {kind: n}, c.log [(kind, bytes)]."""
+def name_groups(names):
+    """{process group: dimension name} for the mesh's groups, so that bytes are filed by dimension."""
+    _names.update(names)
+
+
+def _resolve(group):
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return group
+    return c10d._resolve_process_group(funcol._resolve_group_name(group))  # (mesh, dim), a mesh, a group name
+
+
+def _dim(group):
+    group = _resolve(group)
+    return _names.get(group, "world" if group is None or group == dist.group.WORLD else "other")
+
+
+def _arg(args, kwargs, index, name):
+    return args[index] if len(args) > index else kwargs.get(name)
+
+
+def _wrap(fn, kind, tensor, factor):
+    params = list(inspect.signature(fn).parameters)
+    at, group_at = params.index(tensor), params.index("group")
+
+    @functools.wraps(fn)
+    def counted(*args, **kwargs):
+        if not _open or getattr(_inside, "depth", 0):
+            return fn(*args, **kwargs)
+        group = _arg(args, kwargs, group_at, "group")
+        n = _nbytes(_arg(args, kwargs, at, tensor)) * (_group_size(group) if factor == "size" else factor)
+        dim = _dim(group)
+        for c in _open:
+            c.add(kind, n, dim)
+        _inside.depth = 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _inside.depth = 0
+    return counted
+
+
+@functools.cache
+def install():
+    """Wrap torch.distributed's collectives and the functional ones, once per process."""
+    for module, table, functional in ((c10d, C10D, False), (funcol, FUNCOL, True)):
+        for name, (kind, tensor, factor) in table.items():
+            fn = getattr(module, name)
+            wrapped = _wrap(fn, kind, tensor, factor)
+            setattr(module, name, wrapped)
+            if not functional and getattr(dist, name, None) is fn:
+                setattr(dist, name, wrapped)  # `dist.all_reduce` is the same function, bound at import
+
+
+class CommCounter:
+    """`with CommCounter() as c: ...` -> c.bytes, c.by_kind {kind: bytes}, c.calls {kind: n}, c.by_dim
+    {(dim, kind): bytes}. p2p bytes are in by_kind["p2p"] and by_dim, not in c.bytes (collectives only).
+    `reset()` starts the count again without leaving the block (train.py: one counter, reset every step)."""
 
     def __init__(self):
-        super().__init__()
-        self.bytes, self.by_kind, self.calls, self.log = 0, Counter(), Counter(), []
+        install()
+        self.reset()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
-            # a DTensor op: let DTensor run it with this mode still active, so that the collectives it issues
-            # inside (loss_parallel's reductions, redistributions) are counted here too
-            return NotImplemented
-        if func.namespace in ("c10d", "_c10d_functional"):
-            name = func._schema.name.split("::")[1]
-            if name in VOLUME:
-                kind, volume = VOLUME[name]
-                n = volume(args)
-                self.bytes += n
-                self.by_kind[kind] += n
-                self.calls[kind] += 1
-                self.log.append((kind, n))
-            elif name not in IGNORED:
-                raise NotImplementedError(f"CommCounter does not know how much {func} moves")
-        return func(*args, **(kwargs or {}))
+    def reset(self):
+        self.bytes, self.by_kind, self.calls, self.by_dim = 0, Counter(), Counter(), Counter()
+
+    def add(self, kind, n, dim):
+        if kind != "p2p":
+            self.bytes += n
+        self.by_kind[kind] += n
+        self.calls[kind] += 1
+        self.by_dim[dim, kind] += n
+
+    def __enter__(self):
+        _open.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _open.remove(self)

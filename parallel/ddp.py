@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from config import DTYPES
 from parallel import buckets
+from parallel.strategy import DataParallel
 
 
 class DDP(nn.Module):
@@ -65,3 +67,41 @@ class DDP(nn.Module):
             comm = b.state.pop("comm")
             if comm is not b.state["grad"]:
                 b.state["grad"].copy_(comm)
+
+
+class Replicated(DataParallel):
+    """Every rank holds the whole model, in a wrapper that all-reduces the gradients: ours or torch's."""
+
+    def no_sync(self):
+        return self.model.no_sync()
+
+
+def apply_ddp(model, mesh, p, make_optimizer):
+    """Ours: the module wrapped in DDP over the mesh's dp group."""
+    return Replicated(DDP(model, p.bucket_mb, DTYPES[p.reduce_dtype], group=mesh.get_group("dp")), make_optimizer,
+                      module=model)
+
+
+# --- torch's twin
+def torch_ddp(model, mesh, p):
+    """torch's DistributedDataParallel over the dp group. Its C++ reducer all-reduces each bucket through a
+    communication hook: torch's own all-reduce hook (or its bf16 one), Python functions that call dist.all_reduce,
+    so that parallel/comm.py counts them. forward_sync_buffers=False: the only buffers are RoPE tables, equal
+    everywhere; broadcasting them each forward would add traffic that says nothing about the strategy."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook, bf16_compress_hook
+    from torch.nn.parallel import DistributedDataParallel
+    group = mesh.get_group("dp")
+    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=p.bucket_mb,
+                                  gradient_as_bucket_view=True, forward_sync_buffers=False)
+    ddp.register_comm_hook(group, bf16_compress_hook if p.reduce_dtype == "bfloat16" else allreduce_hook)
+    return ddp
+
+
+def apply_torch_ddp(model, mesh, p, make_optimizer):
+    if mesh["tp"].size() > 1:
+        # DistributedDataParallel can't take DTensor parameters (torch's tensor parallel); its composable
+        # replicate(), built on FSDP2's machinery, all-reduces their gradients over the dp mesh
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+        from parallel.fsdp import TorchFSDP
+        return TorchFSDP(replicate(model, mesh=mesh["dp"]), make_optimizer)
+    return Replicated(torch_ddp(model, mesh, p), make_optimizer, module=model)

@@ -27,12 +27,15 @@ sees the refilled values (the trick torch's first FSDP used).
             model.init_param (same RNG order as a whole-model init) and only this rank's slice is kept: no rank
             ever holds more than one full parameter besides its shards.
 """
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from config import DTYPES
 from parallel import buckets
-from parallel.zero import clip_shards, owned_segments, sharded_optimizer
+from parallel.strategy import DataParallel, Sharded, owned_segments, sharded_optimizer
 
 
 def units_of(model, blocks_per_unit):
@@ -44,13 +47,17 @@ def units_of(model, blocks_per_unit):
     return groups + [("head", [model.norm, model.head])]
 
 
-class FSDP:
+class FSDP(Sharded):
+    """The strategy and its optimizer in one: the loop steps this object, which steps this rank's shards."""
+
     def __init__(self, model, make_optimizer, device, blocks_per_unit=1, reshard_after_forward=True, prefetch=1,
                  param_dtype=torch.float32, reduce_dtype=torch.float32, cpu_offload=False, group=None,
                  init_param=None):
         # init_param(name, tensor) fills a parameter from the meta device (default: model.init_param); tensor
         # parallelism passes one that fills the local tp shard
-        init_param = init_param or getattr(model, "init_param", None)
+        init_param = init_param or model.init_param
+        self.model = self.module = model
+        self.optimizer = self
         self.group, self.device, self.prefetch = group, torch.device(device), prefetch
         self.reshard_after_forward, self.param_dtype, self.reduce_dtype = reshard_after_forward, param_dtype, \
             reduce_dtype
@@ -94,8 +101,8 @@ class FSDP:
             model.init_buffers(self.device)
         template = make_optimizer(model)  # over the new parameters; it holds no state until a step, so costs nothing
         self.segments = segments  # {parameter: [views of this rank's shard]}, each .grad a view of the grad shard
-        self.optimizer = sharded_optimizer(template, segments)
-        self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
+        self.local_optimizer = sharded_optimizer(template, segments)
+        self.param_groups, self.state = self.local_optimizer.param_groups, self.local_optimizer.state
         for i, u in enumerate(self.units):
             u.state["modules"][0].register_forward_pre_hook(lambda m, args, i=i: self._pre_forward(i))
             u.state["modules"][-1].register_forward_hook(lambda m, args, out, i=i: self._post_forward(i, out))
@@ -181,13 +188,67 @@ class FSDP:
     def no_sync(self):
         return self.hooks.no_sync()
 
-    def clip_grad_norm_(self, max_norm):
-        return clip_shards([u.state["grad_shard"] for u in self.units], max_norm, self.group, self.device)
+    def holders(self, p):  # the parameter itself is a view into a freed buffer: the shards are the truth
+        segs = [(s, s.param_offset) for s in self.segments.get(p, [])]
+        return segs, segs
+
+    @property
+    def transient_bytes(self):
+        return self.peak_gathered
 
     @torch.no_grad()
     def step(self):
-        self.optimizer.step()  # on the shards only, wherever they live (CPU with offload)
+        self.local_optimizer.step()  # on the shards only, wherever they live (CPU with offload)
 
     def zero_grad(self, set_to_none=True):
         for u in self.units:
             u.state["grad_shard"].zero_()
+
+
+def apply_fsdp(model, mesh, p, make_optimizer, device, init_param):
+    """Ours over the mesh's dp group: materializes only this rank's shards of a model on the meta device."""
+    return FSDP(model, make_optimizer, device, p.blocks_per_unit, p.reshard_after_forward, p.prefetch,
+                DTYPES[p.param_dtype], DTYPES[p.reduce_dtype], p.cpu_offload, group=mesh.get_group("dp"),
+                init_param=init_param)
+
+
+# --- torch's twin
+class TorchFSDP(DataParallel):
+    """FSDP2 (fully_shard): DTensor parameters sharded over dp; torch's clipping reduces their norms itself."""
+    grads_sharded = True
+
+    def no_sync(self):
+        return _fsdp2_no_sync(self.model)
+
+    def reshard(self):
+        from torch.distributed.fsdp import FSDPModule
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+
+def apply_torch_fsdp(model, mesh, p, make_optimizer, blocks_per_unit=None, reshard_after_forward=None,
+                     param_dtype=None):
+    """FSDP2 on the same units as ours (each group of blocks, then the root: embedding, final norm, head), over the
+    mesh's dp dimension. CPU offload pins its buffers only where there is an accelerator to copy to."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype or p.param_dtype], reduce_dtype=DTYPES[p.reduce_dtype])
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if p.cpu_offload else OffloadPolicy()
+    kw = dict(mesh=mesh["dp"], mp_policy=mp, offload_policy=offload,
+              reshard_after_forward=p.reshard_after_forward if reshard_after_forward is None else reshard_after_forward)
+    for _, modules in units_of(model, blocks_per_unit or p.blocks_per_unit)[1:-1]:
+        fully_shard(modules, **kw)
+    return TorchFSDP(fully_shard(model, **kw), make_optimizer)
+
+
+@contextlib.contextmanager
+def _fsdp2_no_sync(model):
+    # keep gradients local and the parameters gathered between micro-steps: without the second switch FSDP2
+    # reshards after every backward and all-gathers again in the next forward, one extra Psi per micro-step
+    model.set_requires_gradient_sync(False)
+    model.set_reshard_after_backward(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+        model.set_reshard_after_backward(True)

@@ -37,6 +37,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from parallel.strategy import TensorParallel, materialize
+
 COLUMN = ("attn.q.weight", "attn.k.weight", "attn.v.weight", "mlp.up.weight", "head.weight", "wte.weight")
 ROW = ("attn.proj.weight", "mlp.down.weight")
 
@@ -246,17 +248,6 @@ def _gather_last_dim(x, group):
 
 
 @torch.no_grad()
-def materialize(model, init_param, device):
-    """Allocate and fill the local shards (and the RoPE buffers) of a model `shard` left on the meta device."""
-    for name, p in list(model.named_parameters()):
-        module = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        local = torch.empty(p.shape, dtype=p.dtype, device=device)
-        init_param(name, local)
-        setattr(module, name.rsplit(".", 1)[-1], nn.Parameter(local, p.requires_grad))
-    model.init_buffers(device)
-
-
-@torch.no_grad()
 def sync_replicated_grads(pieces, group):
     """Sequence parallel: sum the norm gains' gradients (each rank saw only its positions) over the tp ranks, in
     one all-reduce. `pieces`: the gradient tensors (or FSDP shard segments of them) of the replicated parameters."""
@@ -269,3 +260,89 @@ def sync_replicated_grads(pieces, group):
     for g in pieces:
         g.copy_(flat[offset: offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+class ScratchTP(TensorParallel):
+    """Ours: local shards of every matrix; init_param fills one from parallel=single's draw."""
+
+    def __init__(self, group, sequence_parallel, init_param):
+        self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+        self.sequence_parallel, self.init_param = sequence_parallel, init_param
+
+    def replicated(self, name):
+        return shard_dim(name) is None
+
+    def global_layout(self, name, p):
+        shape, origin, d = list(p.shape), [0] * p.dim(), shard_dim(name)
+        if d is not None:
+            origin[d] = self.rank * p.shape[d]
+            shape[d] *= self.size
+        return tuple(shape), tuple(origin)
+
+    def sync_grads(self, data):
+        """Sequence parallel: each rank's norm gains saw only its positions; sum their gradients over tp, once per
+        step, wherever the data-parallel strategy keeps them (.grad, or FSDP's and ZeRO's shard pieces: the sum is
+        linear, so it commutes with their reduction over dp)."""
+        if self.sequence_parallel:
+            sync_replicated_grads([g for n, g in data.grad_pieces() if self.replicated(n)], self.group)
+
+
+def apply_tp(model, mesh, p):
+    """Ours over the mesh's tp dimension, on a model still on the meta device: shards in place; the data-parallel
+    step materializes them (all at once, or FSDP one shard at a time) through init_param."""
+    group = mesh.get_group("tp")
+    return ScratchTP(group, p.sequence_parallel, shard(model, group, p.sequence_parallel))
+
+
+# --- torch's twin
+class TorchTP(TensorParallel):
+    def __init__(self, size):
+        self.size = size
+
+    def loss_context(self):
+        """torch's tensor parallel computes the loss on vocab-sharded logits only inside torch's loss_parallel()."""
+        from torch.distributed.tensor.parallel import loss_parallel
+        return loss_parallel()
+
+
+def apply_torch_tp(model, mesh, p, device):
+    """The same sharding through DTensor: torch's column/row-parallel styles, its vocab-parallel loss
+    (loss_parallel, entered by the loop through loss_context) and its sequence-parallel norms. DTensor shards full
+    tensors, so the model is materialized whole first."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+    materialize(model, model.init_param, device)
+    sequence_parallel, tp_mesh = p.sequence_parallel, mesh["tp"]
+    seq = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout between layers
+    plan = {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            "head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)}
+    for i in range(len(model.blocks)):
+        b = f"blocks.{i}."
+        # one DTensor input per attention / MLP, so q, k and v's input gradients are summed before one all-reduce
+        plan[b + "attn"] = PrepareModuleInput(input_layouts=(seq, None, None),
+                                              desired_input_layouts=(Replicate(), None, None))
+        plan[b + "mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+        plan.update({b + f"attn.{n}": ColwiseParallel() for n in ("q", "k", "v")})
+        plan.update({b + "attn.proj": RowwiseParallel(output_layouts=seq), b + "mlp.up": ColwiseParallel(),
+                     b + "mlp.down": RowwiseParallel(output_layouts=seq)})
+        if sequence_parallel:
+            plan.update({b + "norm1": SequenceParallel(), b + "norm2": SequenceParallel()})
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, plan)
+    if not sequence_parallel:
+        # the norm gains are replicated; as DTensors (Replicate) too, so that every gradient is a DTensor on the same
+        # mesh, as torch's gradient clipping needs, with the norm's input and output plain local tensors as before
+        for m in model.modules():
+            if isinstance(m, torch.nn.RMSNorm):
+                distribute_module(m, tp_mesh, input_fn=lambda m, args, mesh: tuple(
+                    DTensor.from_local(a, mesh, [Replicate()], run_check=False) for a in args),
+                    output_fn=lambda m, out, mesh: out.to_local())
+    # the loss comes back as a replicated DTensor: hand the loop a plain tensor (its gradient flows through
+    # to_local); called without targets (sampling), the model returns the full logits, not a vocab-sharded DTensor
+    model.register_forward_hook(lambda m, args, kwargs, out: out.to_local() if has_targets(args, kwargs)
+                                else out.full_tensor(), with_kwargs=True)
+    if sequence_parallel:
+        pad_sequence_for_sampling(model, tp_mesh.size())
+    return TorchTP(tp_mesh.size())

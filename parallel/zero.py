@@ -28,56 +28,23 @@ Stage 2: the hook copies each gradient into its bucket's transient buffer and dr
 The optimizer the caller builds (any torch optimizer, any param groups) is used as a template: the same class and
 hyper-parameters step views of this rank's slices ("segments"), each in the group of the parameter it belongs to.
 """
-import math
-
 import torch
 import torch.distributed as dist
 
+from config import DTYPES
 from parallel import buckets
+from parallel.ddp import Replicated, torch_ddp
+from parallel.fsdp import apply_torch_fsdp
+from parallel.strategy import Sharded, owned_segments, sharded_optimizer
 
 
-def owned_segments(params, offsets, lo, hi, shard, grad_shard, out):
-    """For params laid out at `offsets` in a flat space, the views of `shard` (which holds [lo, hi) of that space)
-    that belong to each; each view's .grad is the matching view of grad_shard, and its .param_offset where in the
-    flattened parameter it starts (for checkpoints). Adds {param: [views]} to `out`."""
-    for p, o in zip(params, offsets):
-        a, z = max(o, lo), min(o + p.numel(), hi)
-        if a < z:  # this parameter overlaps the slice: that piece is one segment
-            seg = shard[a - lo: z - lo]
-            seg.grad = grad_shard[a - lo: z - lo]
-            seg.param_offset = a - o
-            out.setdefault(p, []).append(seg)
-    return out
+class ZeroOptimizer(Sharded):
+    """The strategy and its optimizer in one: the loop steps this object, which steps this rank's segments."""
 
-
-def sharded_optimizer(template, segments):
-    """The template optimizer's class and param groups, each group over its parameters' segments."""
-    groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": [s for p in g["params"] for s in segments.get(p, [])]} for g in template.param_groups]
-    return type(template)(groups)  # each group carries all its hyper-parameters
-
-
-@torch.no_grad()
-def clip_shards(grad_shards, max_norm, group=None, device=None, weights=None):
-    """The global gradient norm from every rank's shards (one all-reduce of a scalar), then torch's clipping rule
-    (scale by max_norm / (norm + 1e-6) where that is below 1). Padding is zero, so it adds nothing. `weights`: how
-    much each shard's squares count, for pieces that several ranks of `group` hold (tensor parallel's replicated
-    norm gains count 1/tp on each of the tp ranks)."""
-    weights = weights or [1.0] * len(grad_shards)
-    sq = sum(w * g.float().pow(2).sum() for g, w in zip(grad_shards, weights))
-    sq = sq.to(device) if device is not None else sq  # shards offloaded to CPU; nccl reduces device tensors
-    dist.all_reduce(sq, group=group)
-    norm = sq.sqrt()
-    if math.isfinite(max_norm):
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in grad_shards:
-            g.mul_(coef.to(g.device))
-    return norm
-
-
-class ZeroOptimizer:
     def __init__(self, model, make_optimizer, stage, bucket_mb=25, reduce_dtype=torch.float32, group=None):
         assert stage in (1, 2)
+        self.model = self.module = model
+        self.optimizer = self
         self.stage, self.group, self.reduce_dtype = stage, group, reduce_dtype
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         template = make_optimizer(model)  # holds no state until its first step, so it costs nothing
@@ -103,8 +70,8 @@ class ZeroOptimizer:
             owned_segments(b.params, b.offsets, lo, hi, flat[lo:hi], b.state["grad_shard"], segments)
             dist.broadcast(flat, src=src, group=group)  # every rank starts from the same weights
         self.segments = segments
-        self.optimizer = sharded_optimizer(template, segments)
-        self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
+        self.local_optimizer = sharded_optimizer(template, segments)
+        self.param_groups, self.state = self.local_optimizer.param_groups, self.local_optimizer.state
         self.hooks = buckets.ReadyHooks(self.buckets, self._reduce_scatter, self._wait)
 
     def no_sync(self):
@@ -143,12 +110,12 @@ class ZeroOptimizer:
             if "pending" in b.state:
                 self._settle(b)
 
-    def clip_grad_norm_(self, max_norm):
-        return clip_shards([b.state["grad_shard"] for b in self.buckets], max_norm, self.group)
+    def holders(self, p):  # whole parameters, sharded optimizer state
+        return [(p, 0)], [(s, s.param_offset) for s in self.segments.get(p, [])]
 
     @torch.no_grad()
     def step(self):
-        self.optimizer.step()  # updates this rank's segments of the flat buffers, in place
+        self.local_optimizer.step()  # updates this rank's segments of the flat buffers, in place
         works = [dist.all_gather_single(b.state["param"], b.state["param"][b.state["lo"]: b.state["hi"]],
                                              group=self.group, async_op=True) for b in self.buckets]
         for w in works:
@@ -159,3 +126,34 @@ class ZeroOptimizer:
         if self.stage == 1:
             for b in self.buckets:
                 b.state["grad"].zero_()
+
+
+def apply_zero(model, mesh, p, make_optimizer, stage):
+    """Ours: ZeRO-`stage` over the mesh's dp group."""
+    return ZeroOptimizer(model, make_optimizer, stage, p.bucket_mb, DTYPES[p.reduce_dtype], group=mesh.get_group("dp"))
+
+
+# --- torch's twins
+def apply_torch_zero1(model, mesh, p, make_optimizer):
+    """torch's DistributedDataParallel + ZeroRedundancyOptimizer: the optimizer state sharded by whole parameters.
+    The gradients are all-reduced (2 Psi), then each rank broadcasts the parameters it updated (Psi more): 3 Psi."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    data = TorchZero1(torch_ddp(model, mesh, p), module=model)
+    template = make_optimizer(model)
+    data.optimizer = ZeroRedundancyOptimizer(template.param_groups, optimizer_class=type(template),
+                                             process_group=mesh.get_group("dp"))
+    data.local_optimizer = data.optimizer.optim  # the optimizer over the parameters this rank owns
+    return data
+
+
+class TorchZero1(Replicated):
+    def holders(self, p):  # whole parameters; optimizer state only for the parameters this rank updates
+        owned = {q for g in self.local_optimizer.param_groups for q in g["params"]}
+        return [(p, 0)], [(p, 0)] if p in owned else []
+
+
+def apply_torch_zero2(model, mesh, p, make_optimizer):
+    """torch's FSDP2 with every unit kept gathered from forward to backward: ZeRO-2's traffic (reduce-scatter of the
+    gradients, one all-gather of the parameters per step), parameters sharded between steps too."""
+    return apply_torch_fsdp(model, mesh, p, make_optimizer, blocks_per_unit=1, reshard_after_forward=False,
+                            param_dtype="float32")

@@ -102,6 +102,29 @@ def torchrun(nproc, run_dir, *overrides, timeout=240, env=None):
     return p
 
 
+def torchrun_jobs(nproc, jobs, timeout=600):
+    """Several train.py jobs [(run dir, [overrides])] on nproc local ranks (gloo), in one torchrun launch
+    (tests/layouts.py): torch, Hydra and W&B start once per rank for all of them. Returns the CompletedProcess."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump([[d, list(o)] for d, o in jobs], f)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           os.path.join(ROOT, "tests", "layouts.py"), f.name]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                       cwd=ROOT)
+    os.unlink(f.name)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    return p
+
+
+def job_output(p, run_dir):
+    """What rank 0 printed during one job of torchrun_jobs' launch p."""
+    return p.stdout.split(f"layouts: start {run_dir}\n", 1)[1].split(f"layouts: done {run_dir}\n", 1)[0]
+
+
 STEPS = 6
 # global batch 16 in micro-batches of 2: accumulation 8 alone, 4 on 2 ranks, 2 on 4 ranks
 RUN = ("train.global_batch_size=16", "train.micro_batch_size=2", f"train.max_steps={STEPS}", "train.eval_every=100",
@@ -117,14 +140,24 @@ def single(tmp_path_factory):
     return run_dir
 
 
-def losses(run_dir):
+def losses(run_dir, key="loss"):
     import torch
-    return torch.tensor([r["loss"] for r in read_metrics(run_dir) if "loss" in r], dtype=torch.float64)
+    return torch.tensor([r[key] for r in read_metrics(run_dir) if key in r], dtype=torch.float64)
+
+
+def assert_same_steps(run_dir, ref_dir, rtol=1e-5):
+    """Per-step loss and gradient norm equal to the reference run's. The norm is what sees a gradient scaled wrong
+    (a sum where a mean belongs): AdamW with clipping makes the losses nearly blind to it."""
+    import torch
+    for key in ("loss", "grad_norm"):
+        got, ref = losses(run_dir, key), losses(ref_dir, key)
+        assert len(got) == len(ref) > 0, (key, len(got), len(ref))
+        torch.testing.assert_close(got, ref, rtol=rtol, atol=0, msg=lambda m, key=key: f"{key}: {m}")
 
 
 def final_weights(run_dir):
     """The run's weights at its last checkpoint, consolidated from whatever shards its ranks wrote."""
-    from parallel import checkpoint
+    from tools import checkpoint
     return checkpoint.consolidate(checkpoint.find(run_dir))[0]
 
 

@@ -1,4 +1,4 @@
-"""Distributed checkpoints (parallel/checkpoint.py and train.py's loop): exact resume, resharding across every
+"""Distributed checkpoints (tools/checkpoint.py and train.py's loop): exact resume, resharding across every
 strategy and world size, a killed rank, preemption, divergence, damaged checkpoints, export and sampling."""
 import glob
 import json
@@ -11,13 +11,15 @@ import sys
 import time
 
 import pytest
+
+import config
 import torch
 
 import sample
 import train
 from conftest import ROOT, assert_same_weights, make_cfg, read_metrics, small_run, torchrun
 from data import prepare, shards
-from parallel import checkpoint
+from tools import checkpoint
 
 S = 20
 BASE = small_run(f"train.max_steps={S}", "checkpoint.every=5", "checkpoint.keep=3", "train.eval_every=10")
@@ -49,7 +51,7 @@ def test_checkpoints_kept_and_their_contents(ref):
     assert state["config"]["train"]["max_steps"] == S and not state["preempted"]
     # model and optimizer, every parameter, under single-process names
     md = checkpoint._Reader(last).read_metadata().state_dict_metadata
-    names = [n for n, _ in train.GPT(train.model_config(make_cfg(*BASE), 512)).named_parameters()]
+    names = [n for n, _ in train.GPT(config.model_config(make_cfg(*BASE), 512)).named_parameters()]
     for n in names:
         assert {f"model.{n}", f"optim.{n}.exp_avg", f"optim.{n}.exp_avg_sq", f"optim.{n}.step"} <= md.keys()
 

@@ -10,10 +10,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import parallel
 import train
-from conftest import RUN, STEPS, assert_same_weights, losses, make_cfg, read_metrics, small_run, torchrun
+from conftest import (RUN, STEPS, assert_same_steps, assert_same_weights, losses, make_cfg, read_metrics, small_run,
+                      torchrun_jobs)
 from model import GPT, GPTConfig
+from parallel.ddp import DDP
+from parallel.zero import ZeroOptimizer
+from tools import plan
 
 # what torch's implementations pay, per step and per rank (P parameters, N ranks, fp32)
 TORCH_COMM = {"ddp": 2, "zero1": 3, "zero2": 2}  # x Psi: ZeroRedundancyOptimizer broadcasts after DDP's all-reduce
@@ -22,20 +25,37 @@ TORCH_STATE = {"ddp": lambda P, N: 16 * P,
                "zero2": lambda P, N: 16 * P / N}  # FSDP2 keeps even the parameters sharded between steps
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("impl", ["scratch", "torch"])
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
-def test_equal_to_single_and_to_theory(single, tmp_path, strategy, impl, world):
-    run_dir = str(tmp_path / "run")
-    torchrun(world, run_dir, *small_run(*RUN, f"parallel={strategy}", f"parallel.impl={impl}"))
+CASES = [(s, i, w) for w in (2, 4) for i in ("scratch", "torch") for s in ("ddp", "zero1", "zero2")]
+BF16 = ("ddp", "zero2")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every case's run dir: all of one world size's jobs in one torchrun launch (and the bf16 ones with world 2)."""
+    root = tmp_path_factory.mktemp("dp")
+    dirs = {(s, i, w): str(root / f"{s}-{i}-{w}") for s, i, w in CASES}
+    dirs.update({("bf16", s): str(root / f"bf16-{s}") for s in BF16})
+    for world in (2, 4):
+        jobs = [(dirs[c], small_run(*RUN, f"parallel={c[0]}", f"parallel.impl={c[1]}")) for c in CASES if c[2] == world]
+        if world == 2:
+            jobs += [(dirs["bf16", s], small_run(*RUN, f"parallel={s}", "parallel.reduce_dtype=bfloat16"))
+                     for s in BF16]
+        torchrun_jobs(world, jobs)
+    return dirs
+
+
+@pytest.mark.parametrize("strategy,impl,world", CASES, ids=[f"{s}-{i}-{w}" for s, i, w in CASES])
+def test_equal_to_single_and_to_theory(single, runs, strategy, impl, world):
+    run_dir = runs[strategy, impl, world]
     records = read_metrics(run_dir)
     assert records[0]["world_size"] == world and records[0]["grad_accum"] == 16 // (2 * world)
+    assert (records[0]["dp"], records[0]["tp"], records[0]["parallel"]) == (world, 1, strategy)
     assert len(losses(run_dir)) == STEPS
-    torch.testing.assert_close(losses(run_dir), losses(single), rtol=1e-5, atol=0)
+    assert_same_steps(run_dir, single)
     assert_same_weights(run_dir, single)
 
     P, psi = records[0]["n_params"], records[0]["param_bytes"]
-    comm_theory, state_theory = parallel.theory(strategy, P, world)
+    comm_theory, state_theory = plan.theory(strategy, P, world)
     steps = [r for r in records if "comm_bytes" in r]
     assert len(steps) == STEPS
     for r in steps:
@@ -46,16 +66,17 @@ def test_equal_to_single_and_to_theory(single, tmp_path, strategy, impl, world):
             assert r["comm_bytes"] == pytest.approx(TORCH_COMM[strategy] * psi, rel=0.02)
             rel = 0.15 if strategy == "zero1" else 0.05
             assert r["state_bytes_max"] == pytest.approx(TORCH_STATE[strategy](P, world), rel=rel)
+        # every byte is filed under the data-parallel dimension, or the world group's scalar (the norm's)
+        assert sum(v for k, v in r.items() if k.startswith("comm_dp_")) == pytest.approx(r["comm_bytes"], abs=200)
     print(f"{strategy}/{impl} N={world}: comm {steps[-1]['comm_bytes'] / psi:.3f} Psi, "
           f"state {steps[-1]['state_bytes_max'] / P:.2f} bytes/param")
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
-def test_bf16_reduction(single, tmp_path, strategy):
+@pytest.mark.parametrize("strategy", BF16)
+def test_bf16_reduction(single, runs, strategy):
     """Gradients communicated in bfloat16: half the gradient bytes, and the loss still tracks float32 closely.
     ZeRO's all-gather moves parameters, which stay float32: 2P (bf16 reduce-scatter) + 4P bytes."""
-    run_dir = str(tmp_path / "run")
-    torchrun(2, run_dir, *small_run(*RUN, f"parallel={strategy}", "parallel.reduce_dtype=bfloat16"))
+    run_dir = runs["bf16", strategy]
     records = read_metrics(run_dir)
     P = records[0]["n_params"]
     assert records[0]["param_bytes"] == 2 * P
@@ -87,9 +108,9 @@ def _worker(rank, world, init_file, strategy, errors):
         torch.manual_seed(rank)
         idx = torch.randint(0, 256, (4, 16))
         if strategy == "ddp":
-            owner = wrapped = parallel.DDP(model, bucket_mb=0.02)
+            owner = wrapped = DDP(model, bucket_mb=0.02)
         else:
-            owner = parallel.ZeroOptimizer(model, lambda m: torch.optim.AdamW(m.parameters()), stage=2,
+            owner = ZeroOptimizer(model, lambda m: torch.optim.AdamW(m.parameters()), stage=2,
                                            bucket_mb=0.02)
             wrapped = model
         reference = _tiny()  # the plain model, for the expected averaged gradient

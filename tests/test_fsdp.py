@@ -4,9 +4,12 @@ import pytest
 import torch
 
 import parallel
+import config
 import train
-from conftest import RUN, STEPS, assert_same_weights, losses, make_cfg, read_metrics, small_run, torchrun
+from conftest import (RUN, STEPS, assert_same_steps, assert_same_weights, losses, make_cfg, read_metrics, small_run,
+                      torchrun, torchrun_jobs)
 from model import GPT, GPTConfig
+from tools import plan
 
 # one micro-step per rank per step (global 4 = 2 ranks x 2): the per-step volume is the textbook one
 ONE_MICRO = ("train.global_batch_size=4",)
@@ -24,13 +27,44 @@ def steps(run_dir):
     return records[0], [r for r in records if "comm_bytes" in r]
 
 
+COMM_CASES = [
+    ("scratch", [], 3),
+    ("scratch", ["parallel.reshard_after_forward=false"], 2),
+    ("scratch", ["parallel.prefetch=0"], 3),
+    ("scratch", ["parallel.prefetch=2", "train.activation_checkpointing=full"], 3),
+    ("torch", [], 3),
+    ("torch", ["parallel.reshard_after_forward=false"], 2),
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every run this file checks, in two torchrun launches (world 2 and world 4)."""
+    root = tmp_path_factory.mktemp("fsdp")
+    jobs = {2: {}, 4: {}}
+    for world in (2, 4):
+        for impl in ("scratch", "torch"):
+            jobs[world]["equal", impl, world] = small_run(*RUN, "parallel=fsdp", f"parallel.impl={impl}")
+    for i, (impl, overrides, _) in enumerate(COMM_CASES):
+        jobs[2]["comm", i] = small_run(*RUN, *ONE_MICRO, "parallel=fsdp", f"parallel.impl={impl}", *overrides)
+    jobs[2]["bf16"] = small_run(*RUN, *ONE_MICRO, "parallel=fsdp", "parallel.param_dtype=bfloat16")
+    for impl in ("scratch", "torch"):
+        jobs[2]["offload", impl] = small_run(*RUN, "parallel=fsdp", f"parallel.impl={impl}", "parallel.cpu_offload=true")
+    jobs[2]["wrap"] = small_run(*RUN, "parallel=fsdp", "parallel.blocks_per_unit=2")
+    dirs = {}
+    for world, these in jobs.items():
+        for key in these:
+            dirs[key] = str(root / "-".join(map(str, key)))
+        torchrun_jobs(world, [(dirs[k], o) for k, o in these.items()])
+    return dirs
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("impl", ["scratch", "torch"])
-def test_equal_to_single(single, tmp_path, impl, world):
+def test_equal_to_single(single, runs, impl, world):
     """With gradient accumulation: non-final micro-steps gather in forward and backward but reduce nothing."""
-    run_dir = str(tmp_path / "run")
-    torchrun(world, run_dir, *small_run(*RUN, "parallel=fsdp", f"parallel.impl={impl}"))
-    torch.testing.assert_close(losses(run_dir), losses(single), rtol=1e-5, atol=0)
+    run_dir = runs["equal", impl, world]
+    assert_same_steps(run_dir, single)
     assert_same_weights(run_dir, single)
     start, records = steps(run_dir)
     P, accum = start["n_params"], start["grad_accum"]
@@ -38,56 +72,43 @@ def test_equal_to_single(single, tmp_path, impl, world):
     for r in records:
         assert r["state_bytes_max"] == pytest.approx(16 * P / world, rel=0.05)  # 16P/N: shards only, after the step
         if impl == "scratch":  # 2 all-gathers per micro-step, one reduce-scatter per step
-            assert r["comm_bytes"] == pytest.approx(parallel.theory("fsdp", P, world, 4, accum)[0], rel=0.02)
+            assert r["comm_bytes"] == pytest.approx(plan.theory("fsdp", P, world, 4, accum)[0], rel=0.02)
 
 
-@pytest.mark.parametrize("impl,overrides,psi_per_step", [
-    ("scratch", [], 3),
-    ("scratch", ["parallel.reshard_after_forward=false"], 2),
-    ("scratch", ["parallel.prefetch=0"], 3),
-    ("scratch", ["parallel.prefetch=2", "train.activation_checkpointing=full"], 3),
-    ("torch", [], 3),
-    ("torch", ["parallel.reshard_after_forward=false"], 2),
-])
-def test_comm_per_step(single_one_micro, tmp_path, impl, overrides, psi_per_step):
+@pytest.mark.parametrize("case", range(len(COMM_CASES)),
+                         ids=[f"{i}-{'-'.join(o) or 'default'}" for i, o, _ in COMM_CASES])
+def test_comm_per_step(single_one_micro, runs, case):
     """3 Psi per step (all-gather forward + all-gather backward + reduce-scatter), 2 Psi when units stay gathered
     from forward to backward; prefetch and activation checkpointing change neither the bytes nor the numbers."""
-    run_dir = str(tmp_path / "run")
-    torchrun(2, run_dir, *small_run(*RUN, *ONE_MICRO, "parallel=fsdp", f"parallel.impl={impl}", *overrides))
+    run_dir, psi_per_step = runs["comm", case], COMM_CASES[case][2]
     start, records = steps(run_dir)
     assert start["grad_accum"] == 1
     for r in records:
         assert r["comm_bytes"] == pytest.approx(psi_per_step * start["param_bytes"], rel=0.02)
-    torch.testing.assert_close(losses(run_dir), losses(single_one_micro), rtol=1e-5, atol=0)
+    assert_same_steps(run_dir, single_one_micro)
     assert_same_weights(run_dir, single_one_micro)
 
 
-def test_bf16_params_fp32_reduce(single_one_micro, tmp_path):
+def test_bf16_params_fp32_reduce(single_one_micro, runs):
     """Gathered parameters in bfloat16 (half the all-gather bytes), gradients reduced in float32: the loss tracks
     the float32 run within 1e-3 relative over 6 steps (5e-5 seen)."""
-    run_dir = str(tmp_path / "run")
-    torchrun(2, run_dir, *small_run(*RUN, *ONE_MICRO, "parallel=fsdp", "parallel.param_dtype=bfloat16"))
-    start, records = steps(run_dir)
+    start, records = steps(runs["bf16"])
     P = start["n_params"]
     for r in records:
         assert r["comm_bytes"] == pytest.approx(2 * (2 * P) + 4 * P, rel=0.02)  # 2 bf16 all-gathers + fp32 RS
         assert r["state_bytes_max"] == pytest.approx(16 * P / 2, rel=0.05)  # shards stay float32
-    torch.testing.assert_close(losses(run_dir), losses(single_one_micro), rtol=1e-3, atol=0)
+    torch.testing.assert_close(losses(runs["bf16"]), losses(single_one_micro), rtol=1e-3, atol=0)
 
 
 @pytest.mark.parametrize("impl", ["scratch", "torch"])
-def test_cpu_offload_same_losses(single, tmp_path, impl):
-    run_dir = str(tmp_path / "run")
-    torchrun(2, run_dir, *small_run(*RUN, "parallel=fsdp", f"parallel.impl={impl}", "parallel.cpu_offload=true"))
-    torch.testing.assert_close(losses(run_dir), losses(single), rtol=1e-5, atol=0)
-    assert_same_weights(run_dir, single)
+def test_cpu_offload_same_losses(single, runs, impl):
+    assert_same_steps(runs["offload", impl], single)
+    assert_same_weights(runs["offload", impl], single)
 
 
-def test_wrap_granularity(single, tmp_path):
+def test_wrap_granularity(single, runs):
     """Both blocks in one unit (3 units: embedding, blocks, norm + head): the same numbers."""
-    run_dir = str(tmp_path / "run")
-    torchrun(2, run_dir, *small_run(*RUN, "parallel=fsdp", "parallel.blocks_per_unit=2"))
-    torch.testing.assert_close(losses(run_dir), losses(single), rtol=1e-5, atol=0)
+    assert_same_steps(runs["wrap"], single)
 
 
 def saved_bytes_and_grads(mode):
@@ -159,7 +180,7 @@ def test_bad_fsdp_settings(tmp_path, overrides, message):
 
 
 def test_offload_with_a_dtype_the_cpu_cant(tmp_path, monkeypatch):
-    monkeypatch.setattr(train, "bf16_supported", lambda device: False)
+    monkeypatch.setattr(config, "bf16_supported", lambda device: False)
     with pytest.raises(train.ConfigError, match="this CPU can't do"):
         train.check_config(make_cfg(*small_run("parallel=fsdp", "parallel.cpu_offload=true",
                                                "parallel.param_dtype=bfloat16")), str(tmp_path / "run"), 2)

@@ -17,7 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import ROOT, RUN, STEPS, losses, make_cfg, read_metrics, small_run
-from parallel import launch, report
+from tools import launch, report
 
 QUICK = small_run("train.max_steps=2", "train.eval_every=2")  # evaluates at steps 0 and 2
 

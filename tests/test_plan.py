@@ -1,4 +1,4 @@
-"""The planner (parallel/plan.py) against measurement: its state and comm per rank equal what real runs' counters
+"""The planner (tools/plan.py) against measurement: its state and comm per rank equal what real runs' counters
 record for every strategy at world sizes 1, 2 and 4; its activation count equals what autograd saves; the command
 prints a plan and a ranking, and turns bad input into one line."""
 import multiprocessing
@@ -11,11 +11,12 @@ import time
 import pytest
 import torch
 
+import config
 import parallel
 import train
 from conftest import ROOT, make_cfg, read_metrics, small_corpus, small_run
 from model import GPT, GPTConfig
-from parallel import plan
+from tools import plan
 
 # 4 heads so that tensor parallelism can split them 4 ways; global 8 in micro-batches of 2: accumulation 4, 2, 1 at
 # 1, 2, 4 data-parallel ranks; float32 on both sides (the planner's default is bf16 activations)
@@ -23,12 +24,15 @@ SHORT = ("model.n_head=4", "train.global_batch_size=8", "train.micro_batch_size=
          "train.eval_every=100", "train.eval_steps=1", "checkpoint.keep=0", "train.dtype=float32")
 
 
+PRESETS = sorted(f[:-5] for f in os.listdir(os.path.join(ROOT, "conf", "parallel")) if f.endswith(".yaml"))
+
+
 def measured_layouts():
-    """(strategy, world) for every strategy the code has, at every world size of 1, 2, 4 its checks accept."""
-    for strategy in parallel.STRATEGIES:
+    """(preset, world) for every preset in conf/parallel, at every world size of 1, 2, 4 its checks accept."""
+    for strategy in PRESETS:
         cfg = make_cfg(*small_run(*SHORT, f"parallel={strategy}"))
         for world in (1, 2, 4):
-            if parallel.check(cfg.parallel, world, train.model_config(cfg, 512), cfg.train.seq_len) is None:
+            if config.check_parallel(cfg.parallel, world, config.model_config(cfg, 512), cfg.train.seq_len) is None:
                 yield strategy, world
 
 
@@ -36,8 +40,8 @@ LAYOUTS = list(measured_layouts())
 
 
 def test_every_strategy_is_measured():
-    assert {s for s, _ in LAYOUTS} == set(parallel.STRATEGIES)
-    assert set(parallel.STRATEGIES) <= set(plan.STRATEGIES)  # the planner has a theory for each
+    assert {s for s, _ in LAYOUTS} == set(PRESETS)
+    assert set(PRESETS) <= set(plan.STRATEGIES)  # the planner has a theory for each
 
 
 def _rank(rank, world, port, overrides, run_dir):
@@ -66,6 +70,8 @@ def forked_run(world, run_dir, *overrides):
 
 # and sequence parallel, whose collectives differ in kind, for both tensor-parallel layouts
 SP = [(s, 4, ("parallel.sequence_parallel=true",)) for s in ("tp", "fsdp_tp")]
+# and ZeRO over dp beside tensor parallel (zero1_tp, zero2_tp)
+SP += [(s, 4, ("parallel.tp=2",)) for s in ("zero1", "zero2")]
 
 
 @pytest.mark.parametrize("strategy,world,extra", [(s, w, ()) for s, w in LAYOUTS] + SP)
@@ -131,7 +137,7 @@ def test_activation_count_equals_autograd(ac):
 
 
 def run_plan(*overrides):
-    p = subprocess.run([sys.executable, "-m", "parallel.plan", *overrides], capture_output=True, text=True, cwd=ROOT)
+    p = subprocess.run([sys.executable, "-m", "tools.plan", *overrides], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     return p.stdout
 
@@ -206,7 +212,7 @@ def test_impossible_layouts():
 def test_gpu_bench_logic_on_cpu(capsys):
     """The GPU benchmark's path on a CPU: the matmul rate, one-rank torchrun jobs of parallel=single and fsdp, the
     table. (No MFU against a datasheet: a CPU has none.)"""
-    from parallel import gpu_bench
+    from tools import gpu_bench
     paths = "[" + ",".join(small_corpus()) + "]"
     rows = gpu_bench.main(["--device", "cpu", "--tiny", "--", "data=text", f"data.paths={paths}",
                            "data.vocab_size=512", "data.num_proc=1"])
@@ -219,7 +225,7 @@ def test_gpu_bench_logic_on_cpu(capsys):
 
 
 def test_gpu_bench_stays_within_its_budget():
-    from parallel import gpu_bench
+    from tools import gpu_bench
     t0 = time.time()
     rows = gpu_bench.main(["--device", "cpu", "--tiny", "--budget", "1"])
     assert time.time() - t0 < 10 and [r["tok_per_s"] for r in rows] == ["out of time"] * 2

@@ -10,9 +10,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
-import parallel
 import train
-from conftest import RUN, assert_same_weights, losses, make_cfg, read_metrics, small_run, torchrun
+from conftest import RUN, assert_same_steps, assert_same_weights, job_output, make_cfg, read_metrics, small_run, \
+    torchrun_jobs
+from parallel import tp as tensor_parallel
+from parallel.strategy import materialize
 
 # 4 heads (the other tests' model has 2), so that tp=4 splits whole heads
 TP_RUN = (*RUN, "model.n_head=4")
@@ -30,24 +32,38 @@ def local_params(n_layer, d, vocab, tp):
     return (2 * vocab * d + 12 * n_layer * d * d) // tp + (2 * n_layer + 1) * d
 
 
-# A covering set: tp=2, tp=4 and dp2 x tp2 each with and without sequence parallel, each impl on every layout
+# A covering set: tp=2, tp=4 and dp2 x tp2 each with and without sequence parallel, each impl on every layout; and
+# ZeRO over dp beside tensor parallel, which the mesh composes like any other data strategy
 CASES = [("tp", "scratch", 4, False), ("tp", "scratch", 2, True), ("fsdp_tp", "scratch", 2, False),
          ("fsdp_tp", "scratch", 2, True), ("tp", "torch", 4, True), ("tp", "torch", 2, False),
-         ("fsdp_tp", "torch", 2, False), ("fsdp_tp", "torch", 2, True)]
+         ("fsdp_tp", "torch", 2, False), ("fsdp_tp", "torch", 2, True), ("zero1", "scratch", 2, False),
+         ("zero2", "scratch", 2, True), ("zero2", "torch", 2, False)]
+IDS = [f"{s}-{i}-tp{t}{'-sp' if sp else ''}" for s, i, t, sp in CASES]
+# model state bytes per local parameter (fp32 weight and gradient, two Adam moments), by how dp shares them
+STATE = {"tp": lambda dp: 16, "fsdp_tp": lambda dp: 16 / dp, "zero1": lambda dp: 8 + 8 / dp,
+         "zero2": lambda dp: 4 + 12 / dp}
 
 
-@pytest.mark.parametrize("strategy,impl,tp,sp", CASES, ids=[f"{s}-{i}-tp{t}{'-sp' if sp else ''}"
-                                                            for s, i, t, sp in CASES])
-def test_equal_to_single(tmp_path, single_tp, strategy, impl, tp, sp):
-    run_dir = str(tmp_path / "run")
-    sample = impl == "scratch" and strategy == "tp"  # sampling needs the full logits gathered back
-    p = torchrun(4, run_dir, *small_run(*TP_RUN), f"parallel={strategy}", f"parallel.impl={impl}",
-                 f"parallel.tp={tp}", f"parallel.sequence_parallel={str(sp).lower()}",
-                 *(["train.sample_tokens=8"] if sample or impl == "torch" else []))
-    torch.testing.assert_close(losses(run_dir), losses(single_tp), rtol=1e-5, atol=0)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every case on 4 ranks, in one torchrun launch; returns ({case id: run dir}, the launch)."""
+    root = tmp_path_factory.mktemp("tp")
+    dirs, jobs = {}, []
+    for case, (strategy, impl, tp, sp) in zip(IDS, CASES):
+        dirs[case] = str(root / case)
+        sample = impl == "torch" or strategy == "tp"  # sampling needs the full logits gathered back
+        jobs.append((dirs[case], small_run(*TP_RUN, f"parallel={strategy}", f"parallel.impl={impl}",
+                                           f"parallel.tp={tp}", f"parallel.sequence_parallel={str(sp).lower()}",
+                                           *(["train.sample_tokens=8"] if sample else []))))
+    return dirs, torchrun_jobs(4, jobs)
+
+
+@pytest.mark.parametrize("strategy,impl,tp,sp", CASES, ids=IDS)
+def test_equal_to_single(runs, single_tp, strategy, impl, tp, sp):
+    dirs, launch = runs
+    run_dir = dirs[IDS[CASES.index((strategy, impl, tp, sp))]]
     # the gradient norm over the whole mesh, replicated norm gains counted once, is one process's norm
-    norms = [[r["grad_norm"] for r in read_metrics(d) if "grad_norm" in r] for d in (run_dir, single_tp)]
-    assert norms[0] == pytest.approx(norms[1], rel=1e-5)
+    assert_same_steps(run_dir, single_tp)
     # tensor parallel sums every input gradient over ranks, in another order than one process does; Adam's
     # normalization magnifies that rounding where gradients are tiny (3e-6 seen in one element). The weights move
     # up to 3e-3 in these 6 steps: 1e-5 is 0.3% of that
@@ -56,18 +72,22 @@ def test_equal_to_single(tmp_path, single_tp, strategy, impl, tp, sp):
     assert (start["dp"], start["tp"]) == (4 // tp, tp)
     if tp == 4:  # one dp group evaluates the same batches as one process (more dp ranks evaluate more of them)
         assert last["val_loss"] == pytest.approx(read_metrics(single_tp)[-1]["val_loss"], rel=1e-5)
-    # model state per rank: 16 bytes (fp32 weight, gradient, two Adam moments) per local parameter, over dp too
-    # under FSDP (plus Adam's step counters and FSDP's padding: < 0.1%). torch's vocab-parallel embedding leaves its
-    # gradient shard as a view into a full-vocabulary buffer (measured: V x d x 4 bytes more where nothing copies
-    # the gradients out, i.e. without FSDP or replicate() over dp)
-    expected = 16 * local_params(2, 64, 512, tp) / (4 // tp if strategy == "fsdp_tp" else 1)
+    # model state per rank: bytes per local parameter as dp shares them (plus Adam's step counters and the
+    # strategies' padding: < 0.1%). torch's vocab-parallel embedding leaves its gradient shard as a view into a
+    # full-vocabulary buffer (measured: V x d x 4 bytes more where nothing copies the gradients out, i.e. without
+    # FSDP or replicate() over dp)
+    layout = start["parallel"]
+    per_param = STATE[layout.removesuffix("_tp") if layout != "fsdp_tp" else layout](4 // tp)
+    if impl == "torch" and layout == "zero2_tp":
+        per_param = 16 / (4 // tp)  # torch's ZeRO-2 is FSDP2 keeping units gathered through backward
+    expected = per_param * local_params(2, 64, 512, tp)
     slack = expected * 0.001 + (512 * 64 * 4 if impl == "torch" else 0)
     print(f"\n{strategy}/{impl} tp={tp} sp={sp}: state {last['state_bytes']:,} B/rank = "
-          f"{last['state_bytes'] / expected:.3f} x 16 P_local{'/dp' if strategy == 'fsdp_tp' else ''}; "
+          f"{last['state_bytes'] / local_params(2, 64, 512, tp):.3f} x P_local; "
           f"single {read_metrics(single_tp)[-1]['state_bytes']:,}")
     assert expected <= last["state_bytes"] <= expected + slack
-    if sample or impl == "torch":
-        assert "--- sample ---" in p.stdout
+    if impl == "torch" or strategy == "tp":
+        assert "--- sample ---" in job_output(launch, run_dir)
 
 
 # --- in-process workers (spawned ranks on gloo): one forward and backward, collective by collective
@@ -83,14 +103,11 @@ def _tiny_gpt():
 def _sharded(impl, sp, mesh):
     torch.manual_seed(0)
     model = _tiny_gpt()
+    p = OmegaConf.create({"sequence_parallel": sp})
     if impl == "scratch":
-        parallel.tensor_parallel.materialize(model, parallel.tensor_parallel.shard(model, mesh.get_group(), sp),
-                                             "cpu")
-    else:
-        model.to_empty(device="cpu")
-        model.init_weights()
-        parallel._torch_tp(model, mesh, sp)
-    return model
+        materialize(model, tensor_parallel.apply_tp(model, mesh, p).init_param, "cpu")
+        return model, tensor_parallel.TensorParallel()
+    return model, tensor_parallel.apply_torch_tp(model, mesh, p, "cpu")
 
 
 class LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
@@ -110,7 +127,7 @@ def _tp_worker(rank, world, init_file, errors):
         from torch.distributed.device_mesh import init_device_mesh
         from parallel.comm import CommCounter
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
         torch.manual_seed(1)
         idx, targets = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
         torch.manual_seed(0)
@@ -122,11 +139,10 @@ def _tp_worker(rank, world, init_file, errors):
         act = B * T * D * 4  # bytes of one (batch, seq, d) float32 activation
         for impl in ("scratch", "torch"):
             for sp in (False, True):
-                model = _sharded(impl, sp, mesh)
-                p = OmegaConf.create({"name": "tp", "impl": impl})
-                with parallel.loss_parallel(p), CommCounter() as fwd:
+                model, par_tp = _sharded(impl, sp, mesh)
+                with par_tp.loss_context(), CommCounter() as fwd:
                     loss = model(idx, targets)
-                with parallel.loss_parallel(p), CommCounter() as bwd:
+                with par_tp.loss_context(), CommCounter() as bwd:
                     loss.backward()
                 torch.testing.assert_close(loss, reference(idx, targets), rtol=1e-5, atol=1e-6)
                 # Megatron: per layer 2 all-reduces of an activation in forward (after proj and down) and 2 in
@@ -151,12 +167,12 @@ def _tp_worker(rank, world, init_file, errors):
                 # gradients: this rank's slice of the reference's
                 for name, p in model.named_parameters():
                     g = p.grad.full_tensor() if isinstance(p.grad, torch.distributed.tensor.DTensor) else p.grad
-                    d = parallel.tensor_parallel.shard_dim(name)
+                    d = tensor_parallel.shard_dim(name)
                     ref = reference.get_parameter(name).grad
                     if impl == "scratch" and d is not None:
                         ref = ref.chunk(world, dim=d)[rank]
                     if impl == "scratch" and sp and d is None:  # norm gains: partial until summed over tp
-                        parallel.tensor_parallel.sync_replicated_grads([g], mesh.get_group())
+                        tensor_parallel.sync_replicated_grads([g], mesh.get_group())
                     torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
                 reference.zero_grad()
                 reference(idx, targets).backward()  # the reference's gradients again, for the next model
@@ -167,7 +183,7 @@ def _tp_worker(rank, world, init_file, errors):
                         torch.testing.assert_close(model(idx[:, :n]), reference(idx[:, :n]), rtol=1e-5, atol=1e-6)
         # the vocab-parallel loss never builds the full (B*T, V) logits: the largest tensor of a tp rank's forward
         # and backward is its (B*T, V/tp) slice
-        model = _sharded("scratch", False, mesh)
+        model, _ = _sharded("scratch", False, mesh)
         with LargestTensor() as tp_size:
             model(idx, targets).backward()
         if rank == 0:

@@ -4,6 +4,7 @@ import sys
 
 import pytest
 
+import config
 import train
 from conftest import ROOT, make_cfg, read_metrics, read_wandb_history, small_run
 from data import prepare
@@ -84,7 +85,7 @@ def test_empty_corpus(tmp_path):
 
 
 def test_bfloat16_where_the_device_cant(tmp_path, monkeypatch):
-    monkeypatch.setattr(train, "bf16_supported", lambda device: False)
+    monkeypatch.setattr(config, "bf16_supported", lambda device: False)
     assert "can't compute in bfloat16" in bad(tmp_path, "train.dtype=bfloat16")
 
 

@@ -1,9 +1,9 @@
 """Plan a run before paying for it: per-rank memory, communication per step, step time and MFU of any model on any
 layout and cluster, from each strategy's theory. Pure arithmetic: nothing is allocated, nothing communicated.
 
-    python -m parallel.plan                       # conf/plan.yaml: gpt_1p3b, parallel=fsdp, 8 H100s over NVLink
-    python -m parallel.plan model=gpt_1p3b parallel=fsdp parallel.param_dtype=bfloat16 plan.world=64 plan.link=pcie
-    python -m parallel.plan parallel=fsdp_tp parallel.tp=8 plan.world=64
+    python -m tools.plan                       # conf/plan.yaml: gpt_1p3b, parallel=fsdp, 8 H100s over NVLink
+    python -m tools.plan model=gpt_1p3b parallel=fsdp parallel.param_dtype=bfloat16 plan.world=64 plan.link=pcie
+    python -m tools.plan parallel=fsdp_tp parallel.tp=8 plan.world=64
 
 The settings are conf/plan.yaml: the training config as train.py composes it (model, data for the vocab, parallel,
 optim, train) plus `plan.*`, the cluster. It prints the chosen layout in detail, then every layout of the same
@@ -12,7 +12,7 @@ world ranked by predicted step time, those that fit first.
 The theory, per rank, with P the parameters a rank computes with (all of them, or 1/tp of the matrices under
 tensor parallelism) and N the data-parallel ranks (fp32 master weights and gradients):
 - state: parameters 4P + gradients 4P + optimizer state (AdamW 8P), each whole or split over N (SHARDED: ZeRO's
-  stages); parallel.theory() is this with fp32 Adam, for the tests and the benchmark.
+  stages); theory() is this with fp32 Adam, for the tests and the benchmark.
 - comm: bytes per optimizer step as parallel/comm.py counts them (all-reduce 2x its tensor, reduce-scatter its
   input, all-gather its output), split by collective and by mesh dimension (dp, tp).
 - time: compute at a stated fraction of the peak, plus the communication each strategy can't hide behind it.
@@ -25,7 +25,7 @@ from collections import Counter
 
 import torch
 
-import parallel
+import config
 from data import prepare
 from model import GPT, GPTConfig
 
@@ -54,9 +54,10 @@ def peak_flops(device_name):
 # Which parts of the model state a strategy splits over its data-parallel ranks (the rest is whole on every rank)
 SHARDED = {"single": (), "ddp": (), "zero1": ("optimizer",), "zero2": ("gradients", "optimizer"),
            "fsdp": ("parameters", "gradients", "optimizer"), "tp": (),
-           "fsdp_tp": ("parameters", "gradients", "optimizer")}
-STRATEGIES = tuple(SHARDED)
-TP_STRATEGIES = ("tp", "fsdp_tp")  # the others have tp = 1
+           "fsdp_tp": ("parameters", "gradients", "optimizer"), "zero1_tp": ("optimizer",),
+           "zero2_tp": ("gradients", "optimizer")}
+STRATEGIES = tuple(SHARDED)  # layouts as config.layout_name names them
+TP_STRATEGIES = ("tp", "fsdp_tp", "zero1_tp", "zero2_tp")  # the others have tp = 1
 # Settings the theory reads from parallel.*, with the value a strategy without that setting behaves as
 KNOBS = {"reduce_dtype": "float32", "param_dtype": "float32", "reshard_after_forward": True, "prefetch": 1,
          "sequence_parallel": False}
@@ -104,7 +105,8 @@ def comm_bytes(strategy, P, accum, knobs=KNOBS, shape=None, micro=0, seq=0, act_
     c = Counter()
     if strategy == "ddp" or (strategy == "tp" and dp > 1):  # one all-reduce of the gradients (Li et al., 2020)
         c["dp", "all_reduce"] += 2 * P * rb
-    elif strategy in ("zero1", "zero2"):  # reduce-scatter of the gradients, all-gather of the updated fp32 weights
+    elif strategy in ("zero1", "zero2", "zero1_tp", "zero2_tp"):  # reduce-scatter the gradients, all-gather the
+        # updated fp32 weights
         c["dp", "reduce_scatter"] += P * rb
         c["dp", "all_gather"] += 4 * P
     elif strategy in ("fsdp", "fsdp_tp"):  # each micro-step gathers for forward and again for backward
@@ -141,7 +143,7 @@ def tp_comm_bytes(shape, micro, seq, act_bytes, accum, sequence_parallel):
 
 def theory(name, n_params, world, reduce_bytes=4, accum=1):
     """(comm bytes per step, model-state bytes per rank) the ZeRO paper predicts for fp32 Adam and P parameters on
-    world data-parallel ranks: what parallel.theory() returns."""
+    world data-parallel ranks."""
     knobs = {**KNOBS, "reduce_dtype": {4: "float32", 2: "bfloat16"}[reduce_bytes], "param_dtype": "float32"}
     comm = comm_bytes(name, n_params, accum, knobs)
     return sum(comm.values()), sum(state_bytes(name, n_params, world).values())
@@ -182,7 +184,7 @@ def transient_bytes(strategy, shape, P, accum, knobs, tp):
         pb, rb = DTYPE_BYTES[knobs["param_dtype"]], DTYPE_BYTES[knobs["reduce_dtype"]]
         gathered = (1 + knobs["prefetch"]) * unit if knobs["reshard_after_forward"] else P
         return gathered * pb + unit * (pb + 2 * rb)
-    if strategy == "zero2" and accum > 1:
+    if strategy in ("zero2", "zero2_tp") and accum > 1:
         return 4 * P
     return 0
 
@@ -219,9 +221,9 @@ def step_time(strategy, shape, world, tp, accum, micro, seq, comm, knobs, checkp
     size = {"dp": dp, "tp": tp}
     t = Counter({k: v * (size[k[0]] - 1) / size[k[0]] / (bw[k[0]] * plan.link_efficiency) for k, v in comm.items()})
     exposed = t["tp", "all_reduce"] + t["tp", "all_gather"] + t["tp", "reduce_scatter"]
-    if strategy == "ddp":
+    if strategy in ("ddp", "tp"):  # tp: DDP over dp, when dp > 1
         exposed += max(0.0, t["dp", "all_reduce"] - bwd)
-    elif strategy in ("zero1", "zero2"):
+    elif strategy in ("zero1", "zero2", "zero1_tp", "zero2_tp"):
         exposed += max(0.0, t["dp", "reduce_scatter"] - bwd) + t["dp", "all_gather"]
     elif strategy in ("fsdp", "fsdp_tp"):
         gather = t["dp", "all_gather"] / accum  # one micro-step's gathers
@@ -238,14 +240,14 @@ def step_time(strategy, shape, world, tp, accum, micro, seq, comm, knobs, checkp
 
 # --- one layout, all of it
 def tp_degree(p, world):
-    return (p.get("tp") or world) if p.name in TP_STRATEGIES else 1
+    return config.degrees(p, world)["tp"]
 
 
 def predict(cfg, world, strategy=None, tp=None, ac=None, shape=None, plan=None):
     """Every number of one layout: the configured one, or `strategy`/`tp`/`ac` (activation checkpointing mode) in
     its place, the parallel knobs staying the configured ones. With `plan` (the cluster), step time and MFU too."""
     shape = shape or model_shape(cfg)
-    strategy = strategy or cfg.parallel.name
+    strategy = strategy or config.layout_name(cfg.parallel, world)
     tp = tp or tp_degree(cfg.parallel, world)
     ac = ac or cfg.train.activation_checkpointing
     checkpointed = checkpointed_fraction(ac, shape["n_layer"], cfg.train.ac_every)
@@ -312,7 +314,7 @@ def candidates(world, plan):
     for s in STRATEGIES:
         if s == "tp":
             yield s, world
-        elif s == "fsdp_tp":
+        elif s in TP_STRATEGIES:
             yield from ((s, k) for k in range(2, min(world, plan.gpus_per_node) + 1) if world % k == 0 and k < world)
         else:
             yield s, 1
@@ -427,12 +429,16 @@ def main(argv):
         sys.exit(f"error: {str(e).splitlines()[0]}")
     problem = check_plan(cfg.plan)
     shape = model_shape(cfg) if not problem else None
-    if not problem and cfg.parallel.name in parallel.STRATEGIES:  # the rules train.py applies
-        from train import model_config
-        problem = parallel.check(cfg.parallel, cfg.plan.world, model_config(cfg, prepare.vocab_size(cfg.data)),
-                                 cfg.train.seq_len)
+    if not problem:  # the rules train.py applies
+        try:
+            config.validate(cfg)
+        except config.ConfigError as e:
+            problem = str(e)
     if not problem:
-        problem = layout_problem(cfg, shape, cfg.plan.world, cfg.parallel.name,
+        problem = config.check_parallel(cfg.parallel, cfg.plan.world,
+                                        config.model_config(cfg, prepare.vocab_size(cfg.data)), cfg.train.seq_len)
+    if not problem:
+        problem = layout_problem(cfg, shape, cfg.plan.world, config.layout_name(cfg.parallel, cfg.plan.world),
                                  tp_degree(cfg.parallel, cfg.plan.world), cfg.plan)
     if problem:
         sys.exit(f"error: {problem}")

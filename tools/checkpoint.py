@@ -39,6 +39,8 @@ import os
 import pickle
 import re
 import shutil
+import signal
+import threading
 import warnings
 
 import torch
@@ -46,13 +48,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from parallel import tp as tensor_parallel
-from parallel import all_ranks, unwrap
-from parallel.fsdp import FSDP
-from parallel.zero import ZeroOptimizer
+from config import ConfigError
+from parallel import all_ranks
 
 NAME = re.compile(r"step_(\d{7})")
 
@@ -135,38 +134,18 @@ class Entry:
     dtensor: object = None  # torch's strategies: the DTensor parameter itself
 
 
-def _optimizer(opt):
-    """The torch optimizer whose .state is keyed by the holders."""
-    if isinstance(opt, ZeroRedundancyOptimizer):
-        return opt.optim  # the local optimizer over the parameters this rank owns
-    return getattr(opt, "optimizer", opt)  # ours (FSDP, ZeroOptimizer) step segments through an inner optimizer
-
-
-def _layout(model, opt):
-    """{parameter name: Entry} for this rank (names as in a single-process model)."""
-    inner = unwrap(model)
-    mesh = getattr(inner, "mesh", None)  # our tensor parallel's (dp, tp) mesh
-    segments = getattr(opt, "segments", {})
-    owned = {p for g in _optimizer(opt).param_groups for p in g["params"]}
+def _layout(par):
+    """{parameter name: Entry} for this rank (names as in a single-process model), from the strategies' interface
+    (parallel/strategy.py): tensor parallel says where a local parameter sits in the full one, the data-parallel
+    strategy which tensors hold its weights and its optimizer state."""
     out = {}
-    for name, p in inner.named_parameters():
+    for name, p in par.module.named_parameters():
         if isinstance(p, DTensor):
             out[name] = Entry(tuple(p.shape), tuple(p.shape), (0,) * p.dim(), [], [(p, 0)], dtensor=p)
             continue
-        shape, origin = list(p.shape), [0] * p.dim()
-        d = tensor_parallel.shard_dim(name) if mesh is not None else None
-        if d is not None:
-            origin[d] = mesh["tp"].get_local_rank() * p.shape[d]
-            shape[d] *= mesh["tp"].size()
-        whole = [(p, 0)]
-        segs = [(s, s.param_offset) for s in segments.get(p, [])]
-        if isinstance(opt, FSDP):  # the parameter itself is a view into a freed buffer: the shards are the truth
-            model_h, optim_h = segs, segs
-        elif isinstance(opt, ZeroOptimizer):  # whole parameters, sharded optimizer state
-            model_h, optim_h = whole, segs
-        else:
-            model_h, optim_h = whole, whole if p in owned else []
-        out[name] = Entry(tuple(shape), tuple(p.shape), tuple(origin), model_h, optim_h)
+        shape, origin = par.tp.global_layout(name, p)
+        model_h, optim_h = par.data.holders(p)
+        out[name] = Entry(shape, tuple(p.shape), origin, model_h, optim_h)
     return out
 
 
@@ -182,12 +161,12 @@ def _pieces(e, holders, values):
                   ref.device if ref is not None else "cpu")
 
 
-def state_dict(model, opt):
+def state_dict(par):
     """This rank's part of the model and optimizer state, under global names, for dcp.save and dcp.load.
     Also returns [(tensor loaded, [tensors to copy it to])] for scalars (Adam's step) that several holders share."""
     sd, copies = {}, []
-    state = _optimizer(opt).state
-    for name, e in _layout(model, opt).items():
+    state = par.data.local_optimizer.state
+    for name, e in _layout(par).items():
         if e.dtensor is not None:
             sd[f"model.{name}"] = e.dtensor
         else:
@@ -214,7 +193,7 @@ def _local_tensors(sd):
 
 
 # --- saving
-def save(root, step, model, opt, files, keep):
+def save(root, step, par, files, keep):
     """Write checkpoint step_<step> under `root` (every rank calls it) and keep the newest `keep`; returns its path.
     `files`: {name: JSON object} that rank 0 writes beside the tensors (state.json, to which it adds the optimizer
     class; tokenizer.json). Refuses, on every rank, to write weights that are not finite."""
@@ -222,7 +201,7 @@ def save(root, step, model, opt, files, keep):
     final = os.path.join(root, f"step_{step:07d}")
     if os.path.isdir(final):  # already saved at this step (say, a periodic save at the last step)
         return final
-    sd, _ = state_dict(model, opt)
+    sd, _ = state_dict(par)
     finite = all(bool(torch.isfinite(t).all()) for t in _local_tensors(sd) if t.is_floating_point())
     if not all_ranks(finite, dist.ReduceOp.MIN):
         raise CheckpointError(f"step {step}: the weights or optimizer state are not finite (nan/inf); no checkpoint "
@@ -240,7 +219,7 @@ def save(root, step, model, opt, files, keep):
     if dist.is_initialized():
         dist.all_gather_object(everyone, mine)
     if rank == 0:
-        files = {**files, "state.json": {**files["state.json"], "optimizer": type(_optimizer(opt)).__name__}}
+        files = {**files, "state.json": {**files["state.json"], "optimizer": type(par.data.local_optimizer).__name__}}
         for name, obj in files.items():
             _write_json(os.path.join(tmp, name), obj)
         files = {k: v for d in everyone for k, v in d.items()}
@@ -291,6 +270,77 @@ def _fsync_dir(path):
 def _barrier():
     if dist.is_initialized():
         dist.barrier()
+
+
+# --- resuming, and the faults that make a run resume
+def resume_from(cfg, run_dir):
+    """The checkpoint train.resume names (a path, or None to start afresh). A run dir that already holds a run is
+    only ever continued (auto), never written over."""
+    from omegaconf import OmegaConf
+    r = str(cfg.train.resume)
+    r = "none" if r.lower() in ("none", "null") else r  # train.resume=null reads as Python's None
+    found = complete(os.path.join(run_dir, "checkpoints"))
+    taken = [f for f in ("config.yaml", "metrics.jsonl", "checkpoints") if os.path.exists(os.path.join(run_dir, f))]
+    if r == "auto" and found:
+        return found[-1]
+    if r == "auto" and taken and same_config(cfg, run_dir):
+        return None  # restarted (torchrun --max-restarts, a requeued job) before its first checkpoint: start again
+    if taken:
+        raise ConfigError(f"run dir {run_dir} already holds a run ({', '.join(taken)}) "
+                          f"{'with another config and no checkpoint' if r == 'auto' else 'and train.resume=' + r}; "
+                          f"choose another with hydra.run.dir=..., continue it with train.resume=auto, or move it away")
+    if r in ("auto", "none"):
+        return None
+    try:
+        return find(r)
+    except CheckpointError as e:
+        raise ConfigError(f"train.resume={r}: {e}") from None
+
+
+def same_config(cfg, run_dir):
+    from omegaconf import OmegaConf
+    path = os.path.join(run_dir, "config.yaml")
+    return os.path.exists(path) and OmegaConf.to_container(OmegaConf.load(path)) == \
+        OmegaConf.to_container(cfg, resolve=True)
+
+
+class Diverged(RuntimeError):
+    """The loss or the gradient norm stopped being finite."""
+
+
+class Preemption:
+    """SIGTERM (SLURM preempting or reaching the time limit, torchrun stopping its workers) asks for a checkpoint at
+    the end of a step and a clean exit. Every rank must stop at the same step, so with several ranks the flag is
+    agreed on with a one-element all-reduce, on log steps only: no step between them waits for the host. (A SLURM
+    job asking for the signal ahead of its time limit, `--signal=TERM@120`, leaves time for log_every steps.)"""
+
+    def __init__(self):
+        self.flag, self.old = False, None
+        if threading.current_thread() is threading.main_thread():
+            self.old = signal.signal(signal.SIGTERM, self._set)
+
+    def _set(self, signum, frame):
+        self.flag = True
+
+    def requested(self, log_step):
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return self.flag
+        return log_step and all_ranks(self.flag, dist.ReduceOp.MAX)
+
+    def close(self):
+        if self.old is not None:
+            signal.signal(signal.SIGTERM, self.old)
+
+
+def check_finite(first_bad, step, last_checkpoint):
+    """Stop if any step up to `step` had a loss or gradient norm that is not finite (first_bad: the first such step
+    seen on this rank, a device tensor, so that steps need not wait for the device; checked when logging)."""
+    if dist.is_initialized():
+        dist.all_reduce(first_bad, op=dist.ReduceOp.MIN)
+    bad = int(first_bad.item())
+    if bad <= step:
+        kept = f"the last checkpoint, {last_checkpoint}, is untouched" if last_checkpoint else "no checkpoint written"
+        raise Diverged(f"step {bad}: the loss or gradient norm is not finite (nan/inf); stopped, {kept}")
 
 
 # --- finding
@@ -382,17 +432,17 @@ def verify(path):
     return info, _Reader(path).read_metadata()
 
 
-def load(path, model, opt):
+def load(path, par):
     """Load checkpoint `path` into this rank's model and optimizer, whatever strategy and world size wrote it.
     Every rank calls it. Returns the checkpoint's state.json. Raises CheckpointError before changing anything if the
     checkpoint is damaged or of another model."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     info, md = verify(path)
     saved = md.state_dict_metadata
-    if info.get("optimizer") != type(_optimizer(opt)).__name__:
-        raise CheckpointError(f"{path} holds {info.get('optimizer')}'s state, this run's optimizer is "
-                              f"{type(_optimizer(opt)).__name__}")
-    layout = _layout(model, opt)
+    optimizer = type(par.data.local_optimizer).__name__
+    if info.get("optimizer") != optimizer:
+        raise CheckpointError(f"{path} holds {info.get('optimizer')}'s state, this run's optimizer is {optimizer}")
+    layout = _layout(par)
     names = {k[len("model."):] for k in saved if k.startswith("model.")}
     if names != set(layout):
         diff = sorted(names ^ set(layout))
@@ -402,8 +452,8 @@ def load(path, model, opt):
         if tuple(saved[f"model.{name}"].size) != e.shape:
             raise CheckpointError(f"{path} holds {name} of shape {list(saved[f'model.{name}'].size)}, this model's "
                                   f"is {list(e.shape)}: it was saved with model {info.get('model')}")
-    _make_state(opt, layout, saved)
-    sd, copies = state_dict(model, opt)
+    _make_state(par.data.local_optimizer, layout, saved)
+    sd, copies = state_dict(par)
     missing = sorted(k for k in sd if k not in saved)
     if missing:
         raise CheckpointError(f"{path} has no {missing[0]}: saved with optim {info.get('config', {}).get('optim')}")
@@ -421,10 +471,10 @@ def load(path, model, opt):
     return info
 
 
-def _make_state(opt, layout, saved):
+def _make_state(optimizer, layout, saved):
     """Create the optimizer state the checkpoint holds (a fresh optimizer has none until its first step), as the
     optimizer would: zeros shaped like each holder, float32 scalars (Adam's step)."""
-    state = _optimizer(opt).state
+    state = optimizer.state
     wanted = {}
     for key, m in saved.items():
         if key.startswith("optim."):
@@ -470,7 +520,7 @@ def export(path, out):
 def main(argv=None):
     import argparse
     import sys
-    ap = argparse.ArgumentParser(prog="python -m parallel.checkpoint",
+    ap = argparse.ArgumentParser(prog="python -m tools.checkpoint",
                                  description="Export a checkpoint (any strategy, any world size) to one safetensors "
                                              "file that `python sample.py` loads.")
     ap.add_argument("checkpoint", help="a checkpoint directory (step_<n>), or a run dir: its newest checkpoint")

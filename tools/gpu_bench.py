@@ -2,13 +2,13 @@
 of gpt_125m and gpt_350m training, eager and torch.compile, with parallel=single and a one-rank parallel=fsdp
 (FSDP's machinery with nothing to shard: what it costs by itself). Prints one table.
 
-    python -m parallel.gpu_bench                                # on a machine with one CUDA GPU
-    python -m parallel.gpu_bench --device cpu --tiny -- data=text data.paths=[my.txt] data.vocab_size=512
+    python -m tools.gpu_bench                                # on a machine with one CUDA GPU
+    python -m tools.gpu_bench --device cpu --tiny -- data=text data.paths=[my.txt] data.vocab_size=512
 
-Each training row is a real `torchrun --nproc_per_node=1 train.py` job (parallel/bench.py's run_one) on the default
+Each training row is a real `torchrun --nproc_per_node=1 train.py` job (tools/bench.py's run_one) on the default
 corpus, bf16 autocast, sequences of 1024 and the GPT-2 vocab (50257), its tokens/s the median of its timing windows
 after the first (warm-up and compilation). MFU is the model's FLOPs per token (model.flops_per_token) x tokens/s over
-the datasheet's dense bf16 peak (parallel/plan.py GPUS), and also over the matmul rate measured here. Rows run eager
+the datasheet's dense bf16 peak (tools/plan.py GPUS), and also over the matmul rate measured here. Rows run eager
 first; each job gets what is left of --budget seconds, and a job that fails or runs out of time says so in its row
 instead of stopping the rest. --tiny checks the same logic on a CPU in seconds: a tiny model, eager only, float32.
 """
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from parallel import bench, plan
+from tools import bench, plan
 
 MODELS = ("gpt_125m", "gpt_350m")
 # (parallel, compile): every model runs all four, eager ones first

@@ -1,8 +1,8 @@
 """Benchmark every strategy, ours beside torch's, in one run: throughput, memory and communication,
 and then FSDP's knobs (prefetch, reshard_after_forward, wrap granularity, activation checkpointing).
 
-    python -m parallel.bench                          # world size 2, gpt_tiny on the default corpus, 2 rounds
-    python -m parallel.bench --world 4 --rounds 3 -- model=gpt_125m train.seq_len=512
+    python -m tools.bench                          # world size 2, gpt_tiny on the default corpus, 2 rounds
+    python -m tools.bench --world 4 --rounds 3 -- model=gpt_125m train.seq_len=512
 
 Each configuration is a real `torchrun train.py` job (gloo on CPU, nccl on GPU). Rounds interleave all
 configurations, so slow spells of a noisy machine hit every competitor alike; a configuration's tokens/s is the
@@ -21,8 +21,7 @@ import sys
 import tempfile
 import time
 
-import parallel
-from parallel import plan
+from tools import plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = [("single", None)] + [(s, i) for s in ("ddp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp")
@@ -75,9 +74,10 @@ def main():
     if a.world < 2 or a.rounds < 1:
         sys.exit("error: --world must be at least 2 and --rounds at least 1")
     chosen = {"single", *a.strategies.split(",")}
-    unknown = chosen - set(parallel.STRATEGIES)
+    presets = [s for s, _ in CONFIGS[::2]]
+    unknown = chosen - set(presets)
     if unknown:
-        sys.exit(f"error: --strategies {','.join(sorted(unknown))}: expected some of {','.join(parallel.STRATEGIES)}")
+        sys.exit(f"error: --strategies {','.join(sorted(unknown))}: expected some of {','.join(presets)}")
     configs = [(s, i) for s, i in CONFIGS if s in chosen]
     knobs = KNOBS if "fsdp" in chosen else []
     out = os.path.join(a.out, time.strftime("%Y-%m-%d_%H-%M-%S"))

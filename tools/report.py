@@ -1,13 +1,13 @@
 """Report on a sweep: a markdown table, one row per job, and plots, read back from each job's files.
 
     python train.py -m parallel=ddp,zero1,zero2,fsdp launcher.nproc_per_node=2 train.max_steps=30
-    python -m parallel.report outputs/multirun/2026-11-30/12-00-00
+    python -m tools.report outputs/multirun/2026-11-30/12-00-00
 
 A job is a subfolder of the sweep (Hydra's job number); its config.yaml and metrics.jsonl are all the report reads,
 so it works on any sweep, finished or not, however it was launched. Written into <sweep>/report/ (rewritten on a
 rerun; nothing else is touched): report.md, and loss.png (training loss per step, validation loss dotted),
 throughput.png (tokens/s), memory.png (model state per rank), comm.png (bytes communicated per optimizer step), the
-last two beside what the planner (parallel/plan.py) predicts. Jobs that did not finish are listed with how far they got.
+last two beside what the planner (tools/plan.py) predicts. Jobs that did not finish are listed with how far they got.
 """
 import argparse
 import json
@@ -17,8 +17,8 @@ import sys
 
 from omegaconf import OmegaConf
 
-from parallel import plan
-from parallel.bench import markdown
+from tools import plan
+from tools.bench import markdown
 
 MiB = 2**20
 # settings that say where things go, not what was run: never part of a job's label
@@ -58,14 +58,14 @@ def labels(jobs):
     cfgs = [j["cfg"] for j in jobs if j["cfg"]]
     keys = [k for k in cfgs[0] if not k.startswith(NOT_LABELS) and all(k in c for c in cfgs)
             and len({json.dumps(c[k]) for c in cfgs}) > 1] if cfgs else []
-    keys.sort(key=lambda k: (k != "parallel.name", k != "parallel.impl", k))
+    keys.sort(key=lambda k: (k != "parallel.data", k != "parallel.impl", k))
     out = []
     for j in jobs:
         if not j["cfg"]:
             out.append(f"job {j['name']}")
             continue
-        parts = [str(j["cfg"][k]) if k in ("parallel.name", "parallel.impl") else f"{k}={j['cfg'][k]}" for k in keys]
-        out.append(" ".join(parts) or j["cfg"]["parallel.name"])
+        parts = [str(j["cfg"][k]) if k in ("parallel.data", "parallel.impl") else f"{k}={j['cfg'][k]}" for k in keys]
+        out.append(" ".join(parts) or j["cfg"]["parallel.data"])
     return out
 
 
@@ -185,7 +185,7 @@ def main(argv=None):
     note = ("tok_per_s: median of the logged windows after the first; peak_MiB: rank 0's peak memory above what it "
             "held before the model was built (CUDA allocated, or RSS on CPU); state: the largest rank's parameters, "
             "gradients and optimizer state; comm: rank 0's bytes per optimizer step, in Psi = parameter bytes; "
-            "theory: the planner, parallel/plan.py (the ZeRO paper's formulas; tensor parallel's activations).")
+            "theory: the planner, tools/plan.py (the ZeRO paper's formulas; tensor parallel's activations).")
     text = f"# Sweep {a.sweep_dir}\n\n{markdown(rows)}\n\n{note}\n\n" + \
         "".join(f"![{os.path.basename(p)}]({os.path.basename(p)})\n" for p in pngs)
     with open(os.path.join(out, "report.md"), "w") as f:

@@ -1,0 +1,333 @@
+"""The configuration's schema and every check that can be made before work starts, in one place that train.py, the
+planner and the tools read.
+
+The values live in conf/ (YAML, composed by Hydra); this file says what each may be: its type (the dataclasses
+below, checked by OmegaConf's structured configs), its allowed values (`choice`) and range (`at_least`, `above`,
+`below`), then the rules that tie settings together (heads that divide the width, degrees that multiply to the
+world size, a batch that splits over the data-parallel ranks). Every problem is one line, raised as ConfigError
+before anything is prepared or written.
+
+The parallel layout is a device mesh of named dimensions whose sizes are numbers in `parallel.*`: `tp` (tensor
+parallel) and `dp` (data parallel, with its strategy `parallel.data`). `degrees()` turns them into sizes for a
+world; `layout_name()` names the result as the planner and metrics do (single, ddp, ..., tp, fsdp_tp).
+"""
+import dataclasses
+import shutil
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from model import GPTConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DATA_STRATEGIES = ("none", "ddp", "zero1", "zero2", "fsdp")
+DIMS = ("dp", "tp")  # the mesh's dimensions, outermost first: rank = i_dp * tp + i_tp (a tp group is neighbours)
+
+
+class ConfigError(ValueError):
+    """A setting that can't work; reported as one line before any work."""
+
+
+def choice(*values):
+    return field(default=MISSING, metadata={"choices": values})
+
+
+def at_least(lo):
+    return field(default=MISSING, metadata={"min": lo})
+
+
+def above(lo, below=None):
+    return field(default=MISSING, metadata={"gt": lo, "lt": below})
+
+
+@dataclass
+class Train:
+    global_batch_size: int = at_least(1)
+    micro_batch_size: int = at_least(1)
+    seq_len: int = at_least(1)
+    max_steps: int = at_least(1)
+    eval_every: int = at_least(1)
+    eval_steps: int = at_least(1)
+    log_every: int = at_least(1)
+    seed: int = MISSING
+    dtype: str = choice("auto", "float32", "bfloat16")
+    device: str = choice("auto", "cpu", "cuda")
+    compile: bool = MISSING
+    profile: bool = MISSING
+    activation_checkpointing: str = choice("none", "full", "every_n")
+    ac_every: int = at_least(1)
+    out_dir: str = MISSING
+    resume: Optional[str] = MISSING
+    sample_tokens: int = at_least(0)
+    sample_prompt: str = MISSING
+
+
+@dataclass
+class Parallel:
+    dp: Optional[int] = at_least(1)
+    tp: Optional[int] = at_least(1)
+    data: str = choice(*DATA_STRATEGIES)
+    impl: str = choice("scratch", "torch")
+    sequence_parallel: bool = MISSING
+    bucket_mb: float = above(0)
+    reduce_dtype: str = choice(*DTYPES)
+    param_dtype: str = choice(*DTYPES)
+    blocks_per_unit: int = at_least(1)
+    reshard_after_forward: bool = MISSING
+    prefetch: int = at_least(0)
+    cpu_offload: bool = MISSING
+
+
+@dataclass
+class Model:
+    n_layer: int = at_least(1)
+    n_head: int = at_least(1)
+    n_embd: int = at_least(1)
+    block_size: int = at_least(1)
+    vocab_size: Optional[int] = at_least(1)
+
+
+@dataclass
+class Optim:
+    name: str = choice("adamw", "sgd")
+    lr: float = above(0)
+    min_lr: float = at_least(0)
+    warmup_steps: int = at_least(0)
+    weight_decay: float = at_least(0)
+    grad_clip: float = at_least(0)
+    betas: Optional[List[float]] = None
+    eps: Optional[float] = field(default=None, metadata={"gt": 0})
+    momentum: Optional[float] = field(default=None, metadata={"min": 0, "lt": 1})
+
+
+@dataclass
+class Data:
+    source: str = choice("pycode", "text", "fineweb_edu")
+    paths: Optional[List[str]] = MISSING
+    tokenizer: str = choice("bpe", "gpt2")
+    vocab_size: int = above(257)
+    bpe_train_chars: int = at_least(1)
+    token_dtype: str = choice("auto", "uint16", "uint32")
+    sample_by: str = choice("document", "paragraph", "line")
+    text_field: str = MISSING
+    val_fraction: float = above(0, below=1)
+    num_proc: Optional[int] = at_least(1)
+    cache_dir: str = MISSING
+    hub_name: Optional[str] = None
+    hub_subset: Optional[str] = None
+    max_docs: Optional[int] = field(default=None, metadata={"min": 1})
+
+
+@dataclass
+class Checkpoint:
+    every: int = at_least(0)
+    keep: int = at_least(0)
+
+
+@dataclass
+class Logger:
+    mode: str = choice("offline", "online", "disabled")
+    project: str = MISSING
+    group: Optional[str] = None
+    name: Optional[str] = None
+
+
+@dataclass
+class Launcher:
+    nproc_per_node: Optional[int] = at_least(1)
+    nnodes: int = at_least(1)
+    rdzv_endpoint: Optional[str] = None
+    rdzv_id: Optional[str] = None
+
+
+SCHEMA = {"train": Train, "parallel": Parallel, "model": Model, "optim": Optim, "data": Data,
+          "checkpoint": Checkpoint, "logger": Logger, "launcher": Launcher}
+KINDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _or(values):
+    values = [str(v) for v in values]
+    return values[0] if len(values) == 1 else ", ".join(values[:-1]) + " or " + values[-1]
+
+
+def validate(cfg):
+    """Types, allowed values and ranges of every setting the schema knows; raises ConfigError with one line."""
+    for group, schema in SCHEMA.items():
+        if group not in cfg:
+            continue
+        node, typed = cfg[group], OmegaConf.structured(schema)
+        for f in dataclasses.fields(schema):
+            if f.name not in node or OmegaConf.is_missing(node, f.name):
+                continue  # a group without this setting (optim=sgd has no betas), or a `???` prepare reports
+            key, value = f"{group}.{f.name}", node.get(f.name)
+            try:
+                OmegaConf.merge(typed, {f.name: value})
+            except OmegaConfBaseException:
+                kind = f.type.__args__[0] if getattr(f.type, "__args__", None) else f.type  # Optional[int]: int
+                raise ConfigError(f"{key}={value!r}: expected {KINDS.get(kind, 'a list')}") from None
+            m = f.metadata
+            if value is None:
+                continue
+            if "choices" in m and value not in m["choices"]:
+                raise ConfigError(f"{key}={value!r}: expected {_or(m['choices'])}")
+            if "min" in m and value < m["min"]:
+                raise ConfigError(f"{key}={value} must be " + ("a whole number, 0 or more" if m["min"] == 0 and
+                                                              f.type is int else f"at least {m['min']}"))
+            if m.get("gt") is not None and not value > m["gt"]:
+                raise ConfigError(f"{key}={value} must be " + ("positive" if m["gt"] == 0 else
+                                                              f"more than {m['gt']}"))
+            if m.get("lt") is not None and not value < m["lt"]:
+                raise ConfigError(f"{key}={value} must be below {m['lt']}")
+    betas = cfg.optim.get("betas")
+    if betas is not None and not (len(betas) == 2 and all(0 <= b < 1 for b in betas)):
+        raise ConfigError(f"optim.betas={list(betas)}: expected two numbers in [0, 1)")
+
+
+def model_config(cfg, vocab_size):
+    """The GPT's shape from cfg.model, with the tokenizer's vocab where model.vocab_size is null."""
+    m = cfg.model
+    return GPTConfig(vocab_size=m.vocab_size or vocab_size, block_size=m.block_size, n_layer=m.n_layer,
+                     n_head=m.n_head, n_embd=m.n_embd)
+
+
+# --- the mesh
+def degrees(p, world):
+    """{dim: size} for `world` ranks: tp null means every rank; dp null means what the other degrees leave."""
+    tp = world if p.tp is None else p.tp
+    dp = p.dp if p.dp is not None else max(1, world // max(1, tp))
+    return {"dp": dp, "tp": tp}
+
+
+def layout_name(p, world):
+    """The layout as the planner and metrics name it: single, ddp, zero1, zero2, fsdp (one dimension, dp), tp (DDP
+    over dp where dp > 1), fsdp_tp, zero1_tp, zero2_tp."""
+    d = degrees(p, world)
+    if d["tp"] > 1:
+        return "tp" if p.data in ("none", "ddp") else f"{p.data}_tp"
+    return "single" if p.data == "none" else p.data
+
+
+def check_parallel(p, world, model, seq_len, cpu_bf16=True):
+    """The error message for parallel settings that can't work on `world` processes, or None. `model`: the
+    GPTConfig (layers, heads, widths, padded vocab) the run will build."""
+    name, d = layout_name(p, world), degrees(p, world)
+    dp, tp = d["dp"], d["tp"]
+    if name == "single":
+        return None if world == 1 else \
+            f"parallel=single runs in one process, but {world} were launched; pick a parallel strategy"
+    if world < 2 and name != "fsdp":  # FSDP on one rank: no sharding, all its machinery, to time it alone
+        return (f"parallel={name} needs several processes, but this is one; launch it with "
+                f"`torchrun --nproc_per_node=N train.py parallel={name}` (N >= 2)")
+    if world % tp:
+        return f"parallel.tp={tp} must divide the number of ranks ({world})"
+    if dp * tp != world:
+        return f"parallel.dp={dp} x parallel.tp={tp} = {dp * tp}, but {world} ranks were launched"
+    if dp > 1 and p.data == "none":
+        return f"parallel.dp={dp} replicas need a data-parallel strategy: parallel.data={_or(DATA_STRATEGIES[1:])}"
+    if dp == 1 and p.data in ("zero1", "zero2"):
+        return (f"parallel.data={p.data} shards over the data-parallel ranks, but dp=1 (tp={tp} takes all {world}); "
+                f"lower parallel.tp or use parallel.data=ddp")
+    if tp > 1:
+        for n, what in ((model.n_head, "attention heads (model.n_head)"),
+                        (4 * model.n_embd, "MLP hidden units (4 x model.n_embd)"),
+                        (model.padded_vocab_size, "padded vocabulary entries")):
+            if n % tp:
+                return f"parallel.tp={tp} must divide the model's {n} {what}: each tp rank holds an equal share"
+        for length, key in ((seq_len, "train.seq_len"), (model.block_size, "model.block_size")):
+            if p.sequence_parallel and length % tp:
+                return (f"parallel.sequence_parallel=true splits each sequence over the {tp} tp ranks, but "
+                        f"{key}={length} is not divisible by {tp}")
+        if p.impl == "torch" and p.data == "zero1":
+            return "parallel.data=zero1 with parallel.tp > 1 has no torch twin (ZeroRedundancyOptimizer needs DDP, " \
+                   "which can't take DTensor parameters); use parallel.impl=scratch"
+    if p.data == "fsdp":
+        k, n_layer = p.blocks_per_unit, model.n_layer
+        if n_layer % k or k > n_layer:
+            return (f"parallel.blocks_per_unit={k} can't split the model's {n_layer} blocks into equal units; "
+                    f"use a divisor of {n_layer}")
+        n_units = n_layer // k + 2  # + the embedding and the norm + head
+        if p.prefetch >= n_units:
+            return (f"parallel.prefetch={p.prefetch}: there are {n_units} units, so at most {n_units - 1} can be "
+                    f"gathered ahead of the current one")
+        if p.cpu_offload and p.param_dtype == "bfloat16" and not cpu_bf16:
+            return ("parallel.cpu_offload=true casts the CPU-held shards to param_dtype=bfloat16 on the CPU, which "
+                    "this CPU can't do; use parallel.param_dtype=float32")
+    return None
+
+
+def check_model(m):
+    if m.n_embd % m.n_head:
+        return f"model.n_head={m.n_head} must divide model.n_embd={m.n_embd}: every head gets n_embd / n_head channels"
+    if (m.n_embd // m.n_head) % 2:
+        return (f"model.n_embd / model.n_head = {m.n_embd // m.n_head} channels per head must be even: RoPE rotates "
+                f"them in pairs")
+    return None
+
+
+def check_optim(o):
+    if o.min_lr > o.lr:
+        return f"optim.min_lr={o.min_lr} is above optim.lr={o.lr}: the schedule decays from lr to min_lr"
+    return None
+
+
+def compile_problem(device):
+    """Why train.compile=true can't work on this device, or None: inductor builds C++ on a CPU and Triton kernels on
+    a GPU."""
+    if device == "cpu":
+        from torch._inductor import config as inductor_config
+        cxx = inductor_config.cpp.cxx[-1] if isinstance(inductor_config.cpp.cxx, tuple) else inductor_config.cpp.cxx
+        if not any(shutil.which(c) for c in (cxx, "g++", "c++", "clang++") if c):
+            return ("train.compile=true: inductor compiles C++ on the CPU, and no C++ compiler (g++, clang++ or $CXX) "
+                    "is on PATH; install one or use train.compile=false")
+        return None
+    from torch.utils._triton import has_triton
+    if not has_triton():
+        return "train.compile=true: inductor needs Triton on a GPU, which is not installed; use train.compile=false"
+    return None
+
+
+def bf16_supported(device):
+    if device == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()  # CPUs with AVX512-BF16/AMX, or emulation that oneDNN trusts
+
+
+def check(cfg, world):
+    """Everything that can be known wrong before work starts, for `world` ranks; returns (device, dtype,
+    grad_accum). Raises ConfigError (or data.prepare's DataError) with one line."""
+    from data import prepare, shards
+    validate(cfg)
+    t, d = cfg.train, cfg.data
+    for problem in (check_model(cfg.model), check_optim(cfg.optim),
+                    check_parallel(cfg.parallel, world, model_config(cfg, prepare.vocab_size(d)), t.seq_len,
+                                   cpu_bf16=bf16_supported("cpu"))):
+        if problem:
+            raise ConfigError(problem)
+    if t.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda, but torch sees no CUDA device")
+    device = "cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu"
+    if t.dtype == "bfloat16" and not bf16_supported(device):
+        raise ConfigError(f"train.dtype=bfloat16, but this {device} can't compute in bfloat16; use train.dtype=float32")
+    dtype = t.dtype if t.dtype != "auto" else ("bfloat16" if device == "cuda" and bf16_supported(device) else "float32")
+    if t.compile and compile_problem(device):
+        raise ConfigError(compile_problem(device))
+    dp = degrees(cfg.parallel, world)["dp"]  # tensor-parallel ranks share one slice of the batch
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size "
+                          f"({t.micro_batch_size}) x data-parallel ranks ({dp})")
+    if t.seq_len > cfg.model.block_size:
+        raise ConfigError(f"train.seq_len={t.seq_len} is longer than the model's context "
+                          f"(model.block_size={cfg.model.block_size})")
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size < prepare.vocab_size(d):
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                          f"({prepare.vocab_size(d)}); leave it null to follow the tokenizer")
+    try:
+        shards.token_dtype(prepare.vocab_size(d), d.token_dtype)  # vocab too large for the shard dtype
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if d.source != "fineweb_edu":
+        prepare.local_files(d)  # missing paths, empty corpus
+    return device, dtype, t.global_batch_size // (t.micro_batch_size * dp)

@@ -1,0 +1,46 @@
+"""What a run writes about itself: metrics.jsonl (one JSON object per line) and W&B, on rank 0; peak memory."""
+import json
+import os
+import resource
+
+import torch
+from omegaconf import OmegaConf
+
+
+class Metrics:
+    """On rank 0, every record goes to metrics.jsonl and W&B; on other ranks every call does nothing."""
+
+    def __init__(self, cfg, run_dir, rank, wandb_id=None):
+        self.on, self.id = rank == 0, None
+        if not self.on:
+            return
+        import wandb
+        self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a")  # a resumed run adds to the same file
+        lg = cfg.logger
+        self.wandb = wandb.init(project=lg.project, group=lg.group, name=lg.name, mode=lg.mode, dir=run_dir,
+                                config=OmegaConf.to_container(cfg, resolve=True),
+                                settings=wandb.Settings(console="off", quiet=True),
+                                id=wandb_id, resume="allow" if wandb_id else None)  # a resumed run: the same W&B run
+        self.id = None if lg.mode == "disabled" else self.wandb.id
+
+    def log(self, record):
+        if self.on:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+            self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def close(self):
+        if self.on:
+            self.file.close()
+            self.wandb.finish()
+
+
+def peak_memory_mb(device):
+    """The most memory this process has held: allocated on the GPU (cuda:N), or the process's peak RSS on a CPU."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def peak_reserved_mb(device):
+    return torch.cuda.max_memory_reserved(device) / 2**20 if str(device).startswith("cuda") else None
