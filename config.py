@@ -210,7 +210,7 @@ def layout_name(p, world):
     return "single" if p.data == "none" else p.data
 
 
-def check_parallel(p, world, model, seq_len, cpu_bf16=True):
+def check_parallel(p, world, model, seq_len, cpu_bf16=True, compile_=False):
     """The error message for parallel settings that can't work on `world` processes, or None. `model`: the
     GPTConfig (layers, heads, widths, padded vocab) the run will build."""
     name, d = layout_name(p, world), degrees(p, world)
@@ -240,6 +240,9 @@ def check_parallel(p, world, model, seq_len, cpu_bf16=True):
             if p.sequence_parallel and length % tp:
                 return (f"parallel.sequence_parallel=true splits each sequence over the {tp} tp ranks, but "
                         f"{key}={length} is not divisible by {tp}")
+        if p.impl == "torch" and compile_:
+            return ("train.compile=true with torch's tensor parallel: DTensor's collectives would run inside the "
+                    "compiled graphs, where they can't be counted; use parallel.impl=scratch or train.compile=false")
         if p.impl == "torch" and p.data == "zero1":
             return "parallel.data=zero1 with parallel.tp > 1 has no torch twin (ZeroRedundancyOptimizer needs DDP, " \
                    "which can't take DTensor parameters); use parallel.impl=scratch"
@@ -303,7 +306,7 @@ def check(cfg, world):
     t, d = cfg.train, cfg.data
     for problem in (check_model(cfg.model), check_optim(cfg.optim),
                     check_parallel(cfg.parallel, world, model_config(cfg, prepare.vocab_size(d)), t.seq_len,
-                                   cpu_bf16=bf16_supported("cpu"))):
+                                   cpu_bf16=bf16_supported("cpu"), compile_=t.compile)):
         if problem:
             raise ConfigError(problem)
     if t.device == "cuda" and not torch.cuda.is_available():

@@ -87,8 +87,8 @@ def _wrap(fn, kind, tensor, factor):
 
     @functools.wraps(fn)
     def counted(*args, **kwargs):
-        if not _open or getattr(_inside, "depth", 0):
-            return fn(*args, **kwargs)
+        if not _open or getattr(_inside, "depth", 0) or torch.compiler.is_compiling():
+            return fn(*args, **kwargs)  # (a collective dynamo traces into a graph runs as a graph op: uncounted)
         group = _arg(args, kwargs, group_at, "group")
         n = _nbytes(_arg(args, kwargs, at, tensor)) * (_group_size(group) if factor == "size" else factor)
         dim = _dim(group)

@@ -162,6 +162,20 @@ def test_overlap_and_gradients_in_place(strategy):
     (["parallel=zero2", "parallel.bucket_mb=0"], 2, "parallel.bucket_mb=0 must be positive"),
     (["parallel=zero2", "parallel.reduce_dtype=float16"], 2, "expected float32 or bfloat16"),
     (["parallel=single"], 2, "parallel=single runs in one process, but 2 were launched"),
+    # the mesh: degrees that don't multiply to the world size, a dimension without its strategy, a strategy that
+    # can't run on a dimension of size 1
+    (["parallel=ddp", "parallel.tp=2", "parallel.dp=4"], 4, "parallel.dp=4 x parallel.tp=2 = 8, but 4 ranks were "
+                                                            "launched"),
+    (["parallel=ddp", "parallel.dp=0"], 2, "parallel.dp=0 must be at least 1"),
+    (["parallel=fsdp", "parallel.tp=3"], 4, "parallel.tp=3 must divide the number of ranks (4)"),
+    (["parallel=tp", "parallel.data=none", "parallel.tp=2"], 4, "parallel.dp=2 replicas need a data-parallel "
+                                                                 "strategy: parallel.data=ddp, zero1, zero2 or fsdp"),
+    (["parallel=zero1", "parallel.tp=2"], 2, "parallel.data=zero1 shards over the data-parallel ranks, but dp=1"),
+    (["parallel=zero2"], 1, "parallel=zero2 needs several processes, but this is one"),
+    (["parallel=tp", "parallel.impl=torch", "train.compile=true"], 2, "train.compile=true with torch's tensor "
+                                                                      "parallel"),
+    (["parallel=zero1", "parallel.tp=2", "parallel.impl=torch"], 4, "parallel.data=zero1 with parallel.tp > 1 has "
+                                                                    "no torch twin"),
 ])
 def test_bad_parallel_settings(tmp_path, overrides, world, message):
     with pytest.raises(train.ConfigError) as err:

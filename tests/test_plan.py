@@ -1,9 +1,7 @@
 """The planner (tools/plan.py) against measurement: its state and comm per rank equal what real runs' counters
 record for every strategy at world sizes 1, 2 and 4; its activation count equals what autograd saves; the command
 prints a plan and a ranking, and turns bad input into one line."""
-import multiprocessing
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,7 +12,7 @@ import torch
 import config
 import parallel
 import train
-from conftest import ROOT, make_cfg, read_metrics, small_corpus, small_run
+from conftest import ROOT, forked, make_cfg, read_metrics, small_corpus, small_run
 from model import GPT, GPTConfig
 from tools import plan
 
@@ -44,28 +42,8 @@ def test_every_strategy_is_measured():
     assert set(PRESETS) <= set(plan.STRATEGIES)  # the planner has a theory for each
 
 
-def _rank(rank, world, port, overrides, run_dir):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    train.run(make_cfg(*overrides), run_dir)
-
-
 def forked_run(world, run_dir, *overrides):
-    """train.run on `world` ranks forked from this process, with the variables torchrun would set. Each rank then
-    starts with torch and train.py imported: 2-4 s a job here instead of torchrun's 13-30 s (fresh interpreters)."""
-    with socket.socket() as s:  # a free port for the rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("fork")
-    ranks = [ctx.Process(target=_rank, args=(r, world, port, overrides, run_dir)) for r in range(world)]
-    for p in ranks:
-        p.start()
-    for p in ranks:
-        p.join(timeout=180)  # a hang fails the test instead of stalling the suite
-    for p in ranks:
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in ranks] == [0] * world, "a rank failed: its traceback is in the captured stderr"
+    forked(world, lambda: train.run(make_cfg(*overrides), run_dir))
 
 
 # and sequence parallel, whose collectives differ in kind, for both tensor-parallel layouts

@@ -74,6 +74,22 @@ def bad(tmp_path, *overrides):
     (["train.max_steps=0"], "at least 1"),
     (["checkpoint.every=-1"], "checkpoint.every=-1 must be a whole number"),
     (["train.resume=/nonexistent/run"], "train.resume=/nonexistent/run: /nonexistent/run: no such checkpoint"),
+    # the model's shape, the optimizer's hyperparameters, values of the wrong type: config.py's schema and rules
+    (["model.n_head=3"], "model.n_head=3 must divide model.n_embd=64"),
+    (["model.n_embd=66"], "model.n_embd / model.n_head = 33 channels per head must be even"),
+    (["model.n_layer=0"], "model.n_layer=0 must be at least 1"),
+    (["optim.lr=-0.1"], "optim.lr=-0.1 must be positive"),
+    (["optim.lr=fast"], "optim.lr='fast': expected a number"),
+    (["optim.min_lr=0.1"], "optim.min_lr=0.1 is above optim.lr=0.003"),
+    (["optim.betas=[0.9,1.5]"], "optim.betas=[0.9, 1.5]: expected two numbers in [0, 1)"),
+    (["optim.eps=0"], "optim.eps=0 must be positive"),
+    (["optim.weight_decay=-1"], "optim.weight_decay=-1 must be at least 0"),
+    (["optim.warmup_steps=-5"], "optim.warmup_steps=-5 must be a whole number, 0 or more"),
+    (["optim.warmup_steps=2.5"], "optim.warmup_steps=2.5: expected a whole number"),
+    (["train.max_steps=abc"], "train.max_steps='abc': expected a whole number"),
+    (["train.compile=maybe"], "train.compile='maybe': expected true or false"),
+    (["train.device=tpu"], "train.device='tpu': expected auto, cpu or cuda"),
+    (["data.val_fraction=1.5"], "data.val_fraction=1.5 must be below 1"),
 ])
 def test_bad_settings(tmp_path, overrides, message):
     assert message in bad(tmp_path, *overrides)
@@ -82,6 +98,11 @@ def test_bad_settings(tmp_path, overrides, message):
 def test_empty_corpus(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     assert "empty corpus" in bad(tmp_path, f"data.paths=[{tmp_path}/empty.txt]")
+
+
+def test_compile_without_a_compiler(tmp_path, monkeypatch):
+    monkeypatch.setattr(config.shutil, "which", lambda name: None)  # no g++, c++, clang++ or $CXX on PATH
+    assert "no C++ compiler (g++, clang++ or $CXX) is on PATH" in bad(tmp_path, "train.compile=true")
 
 
 def test_bfloat16_where_the_device_cant(tmp_path, monkeypatch):
@@ -110,6 +131,10 @@ def test_cli_errors_are_one_line(tmp_path):
     p = cli(*small_run("train.micro_batch_size=3"), f"hydra.run.dir={run_dir}", cwd=tmp_path)
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert p.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: train.global_batch_size=8"), p.stderr
+    assert not run_dir.exists() or not os.listdir(run_dir)
+    p = cli(*small_run("train.max_steps=abc"), f"hydra.run.dir={run_dir}", cwd=tmp_path)  # a value of the wrong type
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 1 and lines == ["error: train.max_steps='abc': expected a whole number"], p.stderr
     assert not run_dir.exists() or not os.listdir(run_dir)
     p = cli("model=gpt_huge", cwd=tmp_path)  # an unknown group option: Hydra says so, listing the choices
     assert p.returncode != 0 and "Could not find 'model/gpt_huge'" in p.stderr and "gpt_tiny" in p.stderr

@@ -68,6 +68,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of every configuration")
     ap.add_argument("--strategies", default=",".join(s for s, _ in CONFIGS[::2]),
                     help="comma-separated subset to run (default: all; single is always run, FSDP's knobs with fsdp)")
+    ap.add_argument("--compile", action="store_true",
+                    help="also run every configuration with train.compile=true: compiled tok/s and compiled/eager")
     ap.add_argument("--out", default=os.path.join(ROOT, "outputs", "bench"), help="results go in a new folder here")
     ap.add_argument("overrides", nargs="*", help="train.py overrides for every job, e.g. model=gpt_125m")
     a = ap.parse_args()
@@ -84,6 +86,11 @@ def main():
     os.makedirs(out)  # a new folder: never overwrites an earlier benchmark
 
     jobs = [(s, i, []) for s, i in configs] + [("fsdp", "scratch", o) for _, o in knobs]
+    # compiled twins of each configuration (torch's tensor parallel refuses compile: its collectives would run
+    # inside the graphs, uncounted)
+    compiled = {c: len(jobs) + n for n, c in enumerate(c for c in configs if not (c[1] == "torch" and "tp" in c[0]))}
+    if a.compile:
+        jobs += [(s, i, ["train.compile=true"]) for s, i in compiled]
     results = {k: [] for k in range(len(jobs))}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):
@@ -112,6 +119,9 @@ def main():
             "strategy": strategy, "impl": impl or "-", "world": world, "dp x tp": f"{start['dp']} x {start['tp']}",
             "tok_per_s": round(tok_s(k)),
             "vs_torch": f"{tok_s(k) / torch_tok_s:.2f}" if torch_tok_s else "",
+            **({"compiled_tok_per_s": round(tok_s(compiled[strategy, impl])) if (strategy, impl) in compiled else "-",
+                "compiled_vs_eager": f"{tok_s(compiled[strategy, impl]) / tok_s(k):.2f}"
+                if (strategy, impl) in compiled else "refused"} if a.compile else {}),
             "peak_MiB": f"{peak_mib(k):.0f}",
             "state_MiB_per_rank": f"{last['state_bytes_max'] / 2**20:.2f}",
             "state_vs_theory": f"{last['state_bytes_max'] / state_theory:.3f}" if state_theory else "",

@@ -412,11 +412,12 @@ def ranking(cfg, shape, world, plan):
     return lines + [f"not possible here: {s}" for s in skipped]
 
 
-def compose(overrides):
+def compose(overrides, config_name="plan"):
+    """The config `python train.py` (config_name="config") or this command would compose from these overrides."""
     from hydra import compose as hydra_compose, initialize_config_dir
     conf = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
     with initialize_config_dir(config_dir=conf, version_base="1.3"):
-        return hydra_compose(config_name="plan", overrides=overrides)
+        return hydra_compose(config_name=config_name, overrides=overrides)
 
 
 def main(argv):
