@@ -13,8 +13,6 @@ Bad settings stop the run with one line, `error: ...`, before any work and befor
 import contextlib
 import dataclasses
 import gc
-import hashlib
-import json
 import math
 import os
 import sys
@@ -37,7 +35,7 @@ from model import GPT
 from parallel.comm import CommCounter
 from tools import checkpoint, launch, plan
 from tools.checkpoint import Diverged
-from tools.metrics import Metrics, peak_memory_mb, peak_reserved_mb
+from tools.metrics import Metrics, peak_memory_mb, peak_reserved_mb, profiler
 
 
 def check_config(cfg, run_dir, world):
@@ -79,22 +77,6 @@ def evaluate(par, val, t, autocast, rank, world):
     par.data.reshard()  # a forward without backward may leave sharded parameters gathered
     par.model.train()
     return total.item() / (t.eval_steps * world)
-
-
-def sha256_json(obj):
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
-
-
-def profiler(t, run_dir, rank):
-    """train.profile=true: torch.profiler over steps 2-4 (after one to settle and one to warm up), its trace written
-    to <run dir>/trace.json (rank k > 0: trace_rank<k>.json), for Perfetto or chrome://tracing."""
-    if not t.profile:
-        return contextlib.nullcontext()
-    from torch.profiler import ProfilerActivity, profile, schedule
-    path = os.path.join(run_dir, "trace.json" if rank == 0 else f"trace_rank{rank}.json")
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    return profile(activities=acts, schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
-                   on_trace_ready=lambda p: p.export_chrome_trace(path))
 
 
 def run(cfg, run_dir):
@@ -148,7 +130,7 @@ def run(cfg, run_dir):
 
     # --- resume: any strategy's checkpoint at any world size loads into this one (tools/checkpoint.py)
     tokenizer_spec = prepare.tokenizer_spec(data_dir, meta)
-    tokenizer_sha256 = sha256_json(tokenizer_spec)
+    tokenizer_sha256 = checkpoint.sha256_json(tokenizer_spec)
     start, wandb_id = 0, None
     if resume:
         info = checkpoint.load(resume, par)

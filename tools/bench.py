@@ -105,6 +105,9 @@ def main():
     def tok_s(k):
         return statistics.median(t for _, t, _ in results[k])
 
+    def ratio(k, base):  # the median of each round's ratio: the two ran in the same stretch of that round
+        return f"{statistics.median(a[1] / b[1] for a, b in zip(results[k], results[base])):.2f}"
+
     def peak_mib(k):  # rank 0's peak memory above what it held before the model existed
         start, _, last = results[k][-1]
         return last["peak_mem_mb"] - start["mem_mb_before_model"]
@@ -118,10 +121,10 @@ def main():
         rows.append({
             "strategy": strategy, "impl": impl or "-", "world": world, "dp x tp": f"{start['dp']} x {start['tp']}",
             "tok_per_s": round(tok_s(k)),
-            "vs_torch": f"{tok_s(k) / torch_tok_s:.2f}" if torch_tok_s else "",
+            "vs_torch": ratio(k, configs.index((strategy, "torch"))) if torch_tok_s else "",
             **({"compiled_tok_per_s": round(tok_s(compiled[strategy, impl])) if (strategy, impl) in compiled else "-",
-                "compiled_vs_eager": f"{tok_s(compiled[strategy, impl]) / tok_s(k):.2f}"
-                if (strategy, impl) in compiled else "refused"} if a.compile else {}),
+                "compiled_vs_eager": ratio(compiled[strategy, impl], k) if (strategy, impl) in compiled
+                else "refused"} if a.compile else {}),
             "peak_MiB": f"{peak_mib(k):.0f}",
             "state_MiB_per_rank": f"{last['state_bytes_max'] / 2**20:.2f}",
             "state_vs_theory": f"{last['state_bytes_max'] / state_theory:.3f}" if state_theory else "",
@@ -134,7 +137,7 @@ def main():
         base = configs.index(("fsdp", "scratch"))
         knob_jobs = [("default", base)] + [(label, len(configs) + i) for i, (label, _) in enumerate(knobs)]
         knob_rows = [{"fsdp (scratch) knob": label, "tok_per_s": round(tok_s(k)),
-                      "vs_default": f"{tok_s(k) / tok_s(base):.2f}", "peak_MiB": f"{peak_mib(k):.0f}",
+                      "vs_default": ratio(k, base), "peak_MiB": f"{peak_mib(k):.0f}",
                       "comm_in_psi": f"{results[k][-1][2]['comm_bytes'] / results[k][-1][0]['param_bytes']:.3f}"}
                      for label, k in knob_jobs]
     P = results[0][0][0]["n_params"]

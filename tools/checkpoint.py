@@ -297,6 +297,10 @@ def resume_from(cfg, run_dir):
         raise ConfigError(f"train.resume={r}: {e}") from None
 
 
+def sha256_json(obj):
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
 def same_config(cfg, run_dir):
     from omegaconf import OmegaConf
     path = os.path.join(run_dir, "config.yaml")

@@ -1,4 +1,6 @@
-"""What a run writes about itself: metrics.jsonl (one JSON object per line) and W&B, on rank 0; peak memory."""
+"""What a run writes about itself: metrics.jsonl (one JSON object per line) and W&B, on rank 0; peak memory; a
+profiler trace."""
+import contextlib
 import json
 import os
 import resource
@@ -44,3 +46,15 @@ def peak_memory_mb(device):
 
 def peak_reserved_mb(device):
     return torch.cuda.max_memory_reserved(device) / 2**20 if str(device).startswith("cuda") else None
+
+
+def profiler(t, run_dir, rank):
+    """train.profile=true: torch.profiler over steps 2-4 (after one to settle and one to warm up), its trace written
+    to <run dir>/trace.json (rank k > 0: trace_rank<k>.json), for Perfetto or chrome://tracing."""
+    if not t.profile:
+        return contextlib.nullcontext()
+    from torch.profiler import ProfilerActivity, profile, schedule
+    path = os.path.join(run_dir, "trace.json" if rank == 0 else f"trace_rank{rank}.json")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    return profile(activities=acts, schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
+                   on_trace_ready=lambda p: p.export_chrome_trace(path))
