@@ -464,6 +464,7 @@ def load(path, par):
     for src, others in copies:
         for t in others:
             t.copy_(src)
+    par.data.after_load()  # ZeRO in mixed precision: the bf16 working weights from the fp32 masters just read
     if f"rng.{rank}.cpu" in rng:
         torch.set_rng_state(rng[f"rng.{rank}.cpu"])
     if f"rng.{rank}.cuda" in rng:
