@@ -2,7 +2,7 @@
 float32 or in mixed precision (bf16 working weights, fp32 master weights in the shards).
 
 Rajbhandari et al., 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models". P parameters,
-N ranks, Adam; model state per rank in bytes (`tools/plan.py state_bytes`, measured by tests/test_zero_mixed.py):
+N ranks, Adam; model state per rank in bytes (`tools/plan.py state_bytes`; tests/test_data_parallel.py measures it):
   float32 (parallel.param_dtype=float32, the default)
     DDP      16P         params 4P + grads 4P  + Adam moments 8P
     ZeRO-1   8P + 8P/N   params 4P + grads 4P  + moments 8P/N

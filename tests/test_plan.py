@@ -72,6 +72,8 @@ def forked_run(world, run_dir, *overrides):
 SP = [(s, 4, ("parallel.sequence_parallel=true",)) for s in ("tp", "fsdp_tp")]
 # and ZeRO over dp beside tensor parallel (zero1_tp, zero2_tp)
 SP += [(s, 4, ("parallel.tp=2",)) for s in ("zero1", "zero2")]
+# and mixed-precision ZeRO beside sequence parallel: its activations are bf16 although train.dtype=float32
+SP += [("zero1", 4, ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.param_dtype=bfloat16"))]
 
 
 @pytest.mark.parametrize("strategy,world,extra", [(s, w, ()) for s, w in LAYOUTS] + SP)

@@ -305,7 +305,8 @@ def predict(cfg, world, strategy=None, tp=None, ac=None, shape=None, plan=None):
     t = cfg.train
     dp = world // tp
     accum = t.global_batch_size // (t.micro_batch_size * dp)
-    act_bytes = DTYPE_BYTES.get(t.dtype, 2)  # auto: bf16 autocast, as on any GPU this plans for
+    # auto: bf16 autocast, as on any GPU this plans for; bf16 working weights compute in bf16 whatever train.dtype
+    act_bytes = 2 if knobs["param_dtype"] == "bfloat16" else DTYPE_BYTES.get(t.dtype, 2)
     P = params_per_rank(shape, tp)
     state = state_bytes(strategy, P, dp, optimizer_bytes(cfg.optim), knobs)
     comm = comm_bytes(strategy, P, accum, knobs, shape, t.micro_batch_size, t.seq_len, act_bytes, tp, dp)
