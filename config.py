@@ -222,9 +222,6 @@ def check_parallel(p, world, model, seq_len, cpu_bf16=True, bf16=True):
             return (f"parallel.param_dtype={p.param_dtype}: parallel={name} computes with its float32 weights and "
                     f"has no working copy in another dtype (zero1, zero2 and fsdp do); use "
                     f"parallel.param_dtype=float32")
-        if not bf16:
-            return (f"parallel.param_dtype={p.param_dtype}: this device can't compute in bfloat16; use "
-                    f"parallel.param_dtype=float32")
         if p.data == "zero1" and p.impl == "torch":
             return ("parallel.param_dtype=bfloat16 with parallel.data=zero1 has no torch twin "
                     "(ZeroRedundancyOptimizer steps the model's own weights); use parallel.impl=scratch, or "
@@ -273,6 +270,8 @@ def check_parallel(p, world, model, seq_len, cpu_bf16=True, bf16=True):
         if p.cpu_offload and p.param_dtype == "bfloat16" and not cpu_bf16:
             return ("parallel.cpu_offload=true casts the CPU-held shards to param_dtype=bfloat16 on the CPU, which "
                     "this CPU can't do; use parallel.param_dtype=float32")
+    if p.param_dtype == "bfloat16" and not bf16:
+        return "parallel.param_dtype=bfloat16: this device can't compute in bfloat16; use parallel.param_dtype=float32"
     return None
 
 

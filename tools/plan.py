@@ -405,7 +405,8 @@ def report(cfg, shape):
         f"model: {shape['n_params'] / 1e9:.3f}B parameters (L={shape['n_layer']}, d={shape['n_embd']}, "
         f"heads={shape['n_head']}, vocab {shape['vocab']} padded), {shape['flops_per_token'] / 1e9:.2f} GFLOP/token "
         f"| batch {t.global_batch_size} x {t.seq_len} tokens, micro-batch {t.micro_batch_size}, activations in "
-        f"{'float32' if t.dtype == 'float32' else 'bfloat16'}, {cfg.optim.name}",
+        f"{'float32' if t.dtype == 'float32' and chosen['knobs']['param_dtype'] == 'float32' else 'bfloat16'}, "
+        f"{cfg.optim.name}",
         f"cluster: {world} x {plan.gpu} ({gpu['peak'] / 1e12:.0f} TFLOP/s bf16, {gpu['memory'] / 1e9:.0f} GB) on "
         f"{nodes} node(s) of {plan.gpus_per_node}; {plan.link} {gpu[plan.link] / 1e9:.0f} GB/s within a node, "
         f"{plan.network} {NETWORKS[plan.network] / 1e9:.0f} GB/s per GPU between; assumed: "
