@@ -75,6 +75,7 @@ class Parallel:
     bucket_mb: float = above(0)
     reduce_dtype: str = choice(*DTYPES)
     param_dtype: str = choice(*DTYPES)
+    accumulate: str = choice("local", "sharded")
     blocks_per_unit: int = at_least(1)
     reshard_after_forward: bool = MISSING
     prefetch: int = at_least(0)
@@ -210,11 +211,25 @@ def layout_name(p, world):
     return "single" if p.data == "none" else p.data
 
 
-def check_parallel(p, world, model, seq_len, cpu_bf16=True, compile_=False):
+def check_parallel(p, world, model, seq_len, cpu_bf16=True, bf16=True, compile_=False):
     """The error message for parallel settings that can't work on `world` processes, or None. `model`: the
-    GPTConfig (layers, heads, widths, padded vocab) the run will build."""
+    GPTConfig (layers, heads, widths, padded vocab) the run will build; `bf16`: whether the device the run computes
+    on can compute in bfloat16 (`cpu_bf16`: whether the CPU can)."""
     name, d = layout_name(p, world), degrees(p, world)
     dp, tp = d["dp"], d["tp"]
+    if p.param_dtype != "float32":
+        if p.data not in ("zero1", "zero2", "fsdp"):
+            return (f"parallel.param_dtype={p.param_dtype}: parallel={name} computes with its float32 weights and "
+                    f"has no working copy in another dtype (zero1, zero2 and fsdp do); use "
+                    f"parallel.param_dtype=float32")
+        if p.data == "zero1" and p.impl == "torch":
+            return ("parallel.param_dtype=bfloat16 with parallel.data=zero1 has no torch twin "
+                    "(ZeroRedundancyOptimizer steps the model's own weights); use parallel.impl=scratch, or "
+                    "parallel=zero2 parallel.impl=torch (FSDP2's MixedPrecisionPolicy)")
+    if p.accumulate != "local" and (p.data != "zero2" or p.impl != "scratch"):
+        return (f"parallel.accumulate={p.accumulate} reduce-scatters every micro-step into our ZeRO-2's gradient "
+                f"shard; parallel={name}{' impl=torch' if p.impl == 'torch' else ''} accumulates locally: use "
+                f"parallel.accumulate=local")
     if name == "single":
         return None if world == 1 else \
             f"parallel=single runs in one process, but {world} were launched; pick a parallel strategy"
@@ -258,6 +273,8 @@ def check_parallel(p, world, model, seq_len, cpu_bf16=True, compile_=False):
         if p.cpu_offload and p.param_dtype == "bfloat16" and not cpu_bf16:
             return ("parallel.cpu_offload=true casts the CPU-held shards to param_dtype=bfloat16 on the CPU, which "
                     "this CPU can't do; use parallel.param_dtype=float32")
+    if p.param_dtype == "bfloat16" and not bf16:
+        return "parallel.param_dtype=bfloat16: this device can't compute in bfloat16; use parallel.param_dtype=float32"
     return None
 
 
@@ -304,14 +321,15 @@ def check(cfg, world):
     from data import prepare, shards
     validate(cfg)
     t, d = cfg.train, cfg.data
-    for problem in (check_model(cfg.model), check_optim(cfg.optim),
-                    check_parallel(cfg.parallel, world, model_config(cfg, prepare.vocab_size(d)), t.seq_len,
-                                   cpu_bf16=bf16_supported("cpu"), compile_=t.compile)):
-        if problem:
-            raise ConfigError(problem)
     if t.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda, but torch sees no CUDA device")
     device = "cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu"
+    for problem in (check_model(cfg.model), check_optim(cfg.optim),
+                    check_parallel(cfg.parallel, world, model_config(cfg, prepare.vocab_size(d)), t.seq_len,
+                                   cpu_bf16=bf16_supported("cpu"), bf16=bf16_supported(device),
+                                   compile_=t.compile)):
+        if problem:
+            raise ConfigError(problem)
     if t.dtype == "bfloat16" and not bf16_supported(device):
         raise ConfigError(f"train.dtype=bfloat16, but this {device} can't compute in bfloat16; use train.dtype=float32")
     dtype = t.dtype if t.dtype != "auto" else ("bfloat16" if device == "cuda" and bf16_supported(device) else "float32")

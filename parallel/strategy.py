@@ -10,7 +10,10 @@ A data-parallel strategy (parallel/ddp.py, zero.py, fsdp.py; parallel.data) is a
   grad_pieces()    [(parameter name, gradient piece)] on this rank, for the global norm
   holders(p)       the tensors a checkpoint writes for parameter p: ([(weights, offset)], [(optimizer key, offset)])
   reshard()        free what a forward without backward left gathered
-  transient_bytes  the most bytes of gathered parameters held at once, where the strategy measures it
+  after_load()     make what derives from the holders agree with them once a checkpoint is read (ZeRO's bf16 copy)
+  state_tensors()  model state the strategy keeps that no parameter or optimizer state points at (state_bytes)
+  transient_bytes  the most bytes held at once beyond the model state, where the strategy measures it (FSDP's
+                   gathered units; ZeRO's full gradients between micro-steps)
 This base class is itself the strategy of one replica (parallel.data=none, or DDP over a dp of 1).
 
 Tensor parallelism (parallel/tp.py) is a `TensorParallel`: its degree, the context forward and backward run in
@@ -45,6 +48,12 @@ class DataParallel:
 
     def reshard(self):
         pass
+
+    def after_load(self):
+        pass
+
+    def state_tensors(self):
+        return []
 
 
 class TensorParallel:
@@ -82,14 +91,16 @@ def materialize(model, init_param, device):
 
 def owned_segments(params, offsets, lo, hi, shard, grad_shard, out):
     """For params laid out at `offsets` in a flat space, the views of `shard` (which holds [lo, hi) of that space)
-    that belong to each; each view's .grad is the matching view of grad_shard, and its .param_offset where in the
-    flattened parameter it starts (for checkpoints). Adds {param: [views]} to `out`."""
+    that belong to each; each view's .grad is the matching view of grad_shard (unless that is None), its
+    .param_offset where in the flattened parameter it starts (for checkpoints) and its .shard_offset where in the
+    shard. Adds {param: [views]} to `out`."""
     for p, o in zip(params, offsets):
         a, z = max(o, lo), min(o + p.numel(), hi)
         if a < z:  # this parameter overlaps the slice: that piece is one segment
             seg = shard[a - lo: z - lo]
-            seg.grad = grad_shard[a - lo: z - lo]
-            seg.param_offset = a - o
+            if grad_shard is not None:
+                seg.grad = grad_shard[a - lo: z - lo]
+            seg.param_offset, seg.shard_offset = a - o, a - lo
             out.setdefault(p, []).append(seg)
     return out
 
@@ -148,14 +159,17 @@ def clip_grad_norm(data, tp, mesh, max_norm, device):
 
 
 def state_bytes(data):
-    """Model state resident on this rank: parameters, gradients and optimizer state, in bytes, padding included.
+    """Model state resident on this rank: parameters (working copies and fp32 masters), gradients and optimizer
+    state, in bytes, padding included.
 
-    Counted by storage, so a flat buffer that many views share counts once, and so does its padding."""
+    Counted by storage, each at its own dtype's size, so a flat buffer that many views share counts once, and so
+    does its padding."""
     inner = data.local_optimizer
     tensors = []
     for p in list(data.module.parameters()) + [p for g in inner.param_groups for p in g["params"]]:
         tensors += [p, p.grad]
     tensors += [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    tensors += data.state_tensors()
     storages = {}
     for t in tensors:
         if t is not None:

@@ -1,32 +1,47 @@
-"""ZeRO stages 1 and 2 from scratch: optimizer state (stage 1) and gradients too (stage 2) sharded over ranks.
+"""ZeRO stages 1 and 2 from scratch: optimizer state (stage 1) and gradients too (stage 2) sharded over ranks, in
+float32 or in mixed precision (bf16 working weights, fp32 master weights in the shards).
 
 Rajbhandari et al., 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models". P parameters,
-N ranks, fp32 Adam; model state per rank in bytes:
-  DDP      16P         params 4P + grads 4P  + Adam moments 8P
-  ZeRO-1   8P + 8P/N   params 4P + grads 4P  + moments 8P/N
-  ZeRO-2   4P + 12P/N  params 4P + grads 4P/N + moments 8P/N
-Communication per step for both: reduce-scatter of the gradients (Psi) + all-gather of the updated parameters (Psi)
-= 2 Psi, the same as DDP's one all-reduce. A "ZeRO-1" that all-reduces the gradients and then broadcasts each
-rank's updated parameters pays 3 Psi: torch's ZeroRedundancyOptimizer behind DDP does exactly that. (With
-parallel.reduce_dtype=bfloat16 the gradients travel in bf16 while the all-gathered parameters stay fp32: 2P + 4P
-bytes.)
+N ranks, Adam; model state per rank in bytes (`tools/plan.py state_bytes`; tests/test_data_parallel.py measures it):
+  float32 (parallel.param_dtype=float32, the default)
+    DDP      16P         params 4P + grads 4P  + Adam moments 8P
+    ZeRO-1   8P + 8P/N   params 4P + grads 4P  + moments 8P/N
+    ZeRO-2   4P + 12P/N  params 4P + grads 4P/N + moments 8P/N
+  mixed precision (parallel.param_dtype=bfloat16): every rank computes with bf16 working weights (2P); each shard
+  holds the fp32 master weights and the moments (12P/N); gradients are held in reduce_dtype
+    reduce_dtype=bfloat16: ZeRO-1 2P + 2P + 12P/N, ZeRO-2 2P + 14P/N (the paper's Figure 1, K = 12)
+    reduce_dtype=float32:  ZeRO-1 2P + 4P + 12P/N (Megatron's distributed optimizer), ZeRO-2 2P + 16P/N
+  (with float32 weights gradients stay float32 whatever reduce_dtype: held in the wider of the two dtypes)
+Communication per step: reduce-scatter of the gradients (P x reduce_dtype bytes) + all-gather of the updated
+working weights (P x param_dtype bytes) = 2 Psi in float32, the same as DDP's one all-reduce. A "ZeRO-1" that
+all-reduces the gradients and then broadcasts each rank's updated parameters pays 3 Psi: torch's
+ZeroRedundancyOptimizer behind DDP does exactly that.
 
 Layout: the parameters are packed into buckets in reverse registration order (parallel/buckets.py); each bucket is
-one flat fp32 buffer padded to a multiple of N, and every parameter becomes a view into it. Rank r owns slice r of
-every bucket: only for that slice does it keep Adam moments, receive reduced gradients and compute the update.
-After the step every bucket is all-gathered in place, so each rank again holds the full, identical parameters.
+one flat buffer of working weights (param_dtype) padded to a multiple of N, and every parameter becomes a view into
+it. Rank r owns slice r of every bucket: only for that slice does it keep the master weights (in float32 the slice
+of the flat buffer itself; in mixed precision a float32 copy of it) and Adam moments, receive reduced gradients and
+compute the update. The step updates the master, casts it into the flat buffer's own slice, and all-gathers every
+bucket in place, so each rank again holds the full, identical working weights.
 
-Stage 1: gradients accumulate in full flat buffers (each .grad a view). When a bucket's last gradient of the final
+Stage 1: gradients accumulate in full flat buffers (each .grad a view; with bf16 weights and float32 gradients a
+  hook adds each bf16 .grad into the float32 buffer and drops it). When a bucket's last gradient of the final
   micro-step arrives it is reduce-scattered in place, overlapping the rest of backward: slice r of rank r's buffer
   receives the average of everyone's slice r. The rest of the buffer keeps this rank's own, unreduced gradient.
 Stage 2: the hook copies each gradient into its bucket's transient buffer and drops .grad; the complete bucket is
   reduce-scattered (async) into this rank's persistent gradient shard, and the transient buffer is freed as soon
-  as that collective has completed. Non-final micro-steps of gradient accumulation keep ordinary local .grad tensors
-  and communicate nothing (as torch's no_sync does), so full-size gradients exist between micro-steps; reducing every
-  micro-step instead would keep them sharded at the price of (accum + 1) Psi per step.
+  as that collective has completed. Gradient accumulation, parallel.accumulate:
+    local    (the default, torch's no_sync) non-final micro-steps keep full local gradients and communicate nothing:
+             P x gradient bytes held between micro-steps, on top of the formula (the planner's transient)
+    sharded  (DeepSpeed's choice) every micro-step reduce-scatters and adds into the gradient shard: memory stays
+             at the formula, for accumulation x P x reduce_dtype bytes of reduce-scatter per step
+bf16 gradients: the fp32 step needs fp32 gradients; at the end of the last backward each gradient shard is copied to
+  float32 (4P/N, transient: freed by the step), which the norm, the clipping and the step then read.
 
 The optimizer the caller builds (any torch optimizer, any param groups) is used as a template: the same class and
-hyper-parameters step views of this rank's slices ("segments"), each in the group of the parameter it belongs to.
+hyper-parameters step views of this rank's master slices ("segments"), each in the group of the parameter it
+belongs to. Checkpoints store the master (`holders`), so a mixed-precision checkpoint holds float32 weights and
+loads under any layout.
 """
 import torch
 import torch.distributed as dist
@@ -38,14 +53,25 @@ from parallel.fsdp import apply_torch_fsdp
 from parallel.strategy import Sharded, owned_segments, sharded_optimizer
 
 
+def _nbytes(t):
+    return t.numel() * t.element_size()
+
+
 class ZeroOptimizer(Sharded):
     """The strategy and its optimizer in one: the loop steps this object, which steps this rank's segments."""
 
-    def __init__(self, model, make_optimizer, stage, bucket_mb=25, reduce_dtype=torch.float32, group=None):
-        assert stage in (1, 2)
+    def __init__(self, model, make_optimizer, stage, bucket_mb=25, reduce_dtype=torch.float32,
+                 param_dtype=torch.float32, accumulate="local", group=None):
+        assert stage in (1, 2) and accumulate in ("local", "sharded") and (stage == 2 or accumulate == "local")
         self.model = self.module = model
         self.optimizer = self
-        self.stage, self.group, self.reduce_dtype = stage, group, reduce_dtype
+        self.stage, self.group, self.reduce_dtype, self.param_dtype = stage, group, reduce_dtype, param_dtype
+        self.mixed = param_dtype != torch.float32  # working weights apart from the fp32 master
+        self.sharded_accumulation = accumulate == "sharded"
+        # gradients are held in the wider of the two dtypes: bf16 only where both are, as the ZeRO paper counts
+        self.grad_dtype = torch.promote_types(param_dtype, reduce_dtype)
+        # bf16 weights with fp32 gradients: autograd's bf16 .grad can't be a view of the fp32 buffers; a hook moves it
+        self.sink = self.grad_dtype != param_dtype
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         template = make_optimizer(model)  # holds no state until its first step, so it costs nothing
         params = [p for p in model.parameters() if p.requires_grad]
@@ -53,84 +79,167 @@ class ZeroOptimizer(Sharded):
         src = dist.get_global_rank(group, 0) if group is not None else 0
         segments = {}  # parameter -> the views of it that this rank owns
         for b in self.buckets:
-            flat = torch.zeros(b.numel, dtype=params[0].dtype, device=params[0].device)
+            full = torch.zeros(b.numel, dtype=params[0].dtype, device=params[0].device)  # the fp32 initial weights
+            for p, o in zip(b.params, b.offsets):
+                full[o: o + p.numel()].copy_(p.data.view(-1))
+            dist.broadcast(full, src=src, group=group)  # every rank starts from the same weights
             shard = b.numel // self.world
             lo, hi = self.rank * shard, (self.rank + 1) * shard
-            b.state.update(param=flat, lo=lo, hi=hi)
+            flat = full.to(param_dtype)  # the working weights (in float32, `full` itself)
+            master = full[lo:hi].clone() if self.mixed else flat[lo:hi]
+            b.state.update(param=flat, master=master, lo=lo, hi=hi)
             if stage == 1:
-                b.state["grad"] = torch.zeros_like(flat)
+                b.state["grad"] = torch.zeros(b.numel, dtype=self.grad_dtype, device=flat.device)
                 b.state["grad_shard"] = b.state["grad"][lo:hi]
             else:
-                b.state["grad_shard"] = torch.zeros(shard, dtype=flat.dtype, device=flat.device)
+                b.state["grad_shard"] = torch.zeros(shard, dtype=self.grad_dtype, device=flat.device)
             for p, o in zip(b.params, b.offsets):
-                flat[o: o + p.numel()].copy_(p.data.view(-1))
                 p.data = flat[o: o + p.numel()].view_as(p)
-                if stage == 1:
+                if stage == 1 and not self.sink:
                     p.grad = b.state["grad"][o: o + p.numel()].view_as(p)
-            owned_segments(b.params, b.offsets, lo, hi, flat[lo:hi], b.state["grad_shard"], segments)
-            dist.broadcast(flat, src=src, group=group)  # every rank starts from the same weights
+                if self.sink:  # registered before ReadyHooks' own hook, so it runs first
+                    p.register_post_accumulate_grad_hook(lambda p, b=b, o=o: self._sink(p, b, o))
+            # the fp32 master segments' .grad: views of the fp32 gradient shard, or (bf16 gradients) of the float32
+            # copy the end of backward makes (_grads_for_step)
+            mine = owned_segments(b.params, b.offsets, lo, hi, master,
+                                  b.state["grad_shard"] if self.grad_dtype == torch.float32 else None, {})
+            b.state["segments"] = [s for ss in mine.values() for s in ss]
+            segments.update(mine)
         self.segments = segments
         self.local_optimizer = sharded_optimizer(template, segments)
         self.param_groups, self.state = self.local_optimizer.param_groups, self.local_optimizer.state
-        self.hooks = buckets.ReadyHooks(self.buckets, self._reduce_scatter, self._wait)
+        self.peak_transient = 0  # most bytes held beyond the model state (see transient_bytes)
+        # always: the end of every backward is seen (sharded accumulation reduces there; local measures what it holds)
+        self.hooks = buckets.ReadyHooks(self.buckets, self._reduce_scatter, self._end_of_backward, always=True)
 
     def no_sync(self):
         return self.hooks.no_sync()
 
+    def _sink(self, p, b, o):
+        """bf16 weights, fp32 gradients: add this micro-step's bf16 .grad into the bucket's fp32 buffer (stage 1's
+        full buffer; stage 2's accumulation buffer, which the bucket's reduce-scatter then consumes)."""
+        if self.stage == 1:
+            acc = b.state["grad"]
+        else:
+            if "acc" not in b.state:
+                b.state["acc"] = torch.zeros(b.numel, dtype=self.grad_dtype, device=p.device)
+            acc = b.state["acc"]
+        acc[o: o + p.numel()].add_(p.grad.view(-1))
+        p.grad = None
+
     def _reduce_scatter(self, b):
+        if not (self.hooks.sync or self.sharded_accumulation):
+            return  # a non-final micro-step of local accumulation: nothing to communicate
         for other in self.buckets:  # free the transient buffers of reductions that have already completed
             if "pending" in other.state and other.state["pending"][0].is_completed():
                 self._settle(other)
         if self.stage == 1:
             full = b.state["grad"]
             for p, o in zip(b.params, b.offsets):  # .grad replaced by someone (set_to_none): copy it into place
-                if p.grad.data_ptr() != full[o:].data_ptr():
+                if p.grad is not None and p.grad.data_ptr() != full[o:].data_ptr():
                     full[o: o + p.numel()].copy_(p.grad.view(-1))
                     p.grad = full[o: o + p.numel()].view_as(p)
+        elif "acc" in b.state:  # the sink has gathered this bucket's gradients already
+            full = b.state.pop("acc")
         else:
-            full = torch.zeros(b.numel, dtype=b.state["param"].dtype, device=b.state["param"].device)
+            full = torch.zeros(b.numel, dtype=self.grad_dtype, device=b.state["param"].device)
             for p, o in zip(b.params, b.offsets):
                 full[o: o + p.numel()].copy_(p.grad.view(-1))
                 p.grad = None  # the full gradient lives only until its bucket is reduced
         comm = full if self.reduce_dtype == full.dtype else full.to(self.reduce_dtype)
         comm.div_(self.world)
         out = comm[b.state["lo"]: b.state["hi"]] if self.stage == 1 else b.state["grad_shard"]
-        if out.dtype != comm.dtype:
+        if out.dtype != comm.dtype or self.sharded_accumulation:  # the shard adds each micro-step's reduction
             out = torch.empty_like(out, dtype=comm.dtype)
         b.state["pending"] = (dist.reduce_scatter_single(out, comm, group=self.group, async_op=True), comm, out)
 
     def _settle(self, b):
         work, comm, out = b.state.pop("pending")  # stage 2: dropping `comm`, the transient full buffer, frees it
         work.wait()
-        if out.data_ptr() != b.state["grad_shard"].data_ptr():  # reduced in another dtype
+        if self.sharded_accumulation:
+            b.state["grad_shard"].add_(out)
+        elif out.data_ptr() != b.state["grad_shard"].data_ptr():  # reduced in another dtype
             b.state["grad_shard"].copy_(out)
 
-    def _wait(self):
+    def _end_of_backward(self):
         for b in self.buckets:
             if "pending" in b.state:
                 self._settle(b)
+        if not self.hooks.sync:  # between micro-steps: the full local gradients stage 2 holds until the last one
+            if self.stage == 2:
+                held = sum(_nbytes(p.grad) for b in self.buckets for p in b.params if p.grad is not None)
+                self._track(held + sum(_nbytes(b.state["acc"]) for b in self.buckets if "acc" in b.state))
+        elif self.grad_dtype != torch.float32:
+            self._grads_for_step()
 
-    def holders(self, p):  # whole parameters, sharded optimizer state
-        return [(p, 0)], [(s, s.param_offset) for s in self.segments.get(p, [])]
+    def _grads_for_step(self):
+        """bf16 gradient shards -> float32 copies, the .grad of the master segments until the step frees them."""
+        held = 0
+        for b in self.buckets:
+            g32 = b.state["grad_shard"].float()
+            held += _nbytes(g32)
+            for s in b.state["segments"]:
+                s.grad = g32[s.shard_offset: s.shard_offset + s.numel()]
+        self._track(held)
+
+    def _track(self, held):
+        self.peak_transient = max(self.peak_transient, held)
+
+    @property
+    def transient_bytes(self):
+        """The most bytes held at once beyond the model state: stage 2's full local gradients between micro-steps
+        (local accumulation), and bf16 gradients' float32 copies for the step. Buffers of reductions in flight (a
+        bucket or two) are not counted."""
+        return self.peak_transient
+
+    def holders(self, p):
+        # sharded optimizer state; the weights: whole parameters in float32, the fp32 master segments in mixed
+        # precision (a checkpoint stores fp32 weights; after_load rebuilds the working copy from them)
+        segs = [(s, s.param_offset) for s in self.segments.get(p, [])]
+        return ([(p, 0)] if not self.mixed else segs), segs
+
+    def state_tensors(self):
+        return [b.state[k] for b in self.buckets for k in ("param", "master", "grad", "grad_shard") if k in b.state]
 
     @torch.no_grad()
-    def step(self):
-        self.local_optimizer.step()  # updates this rank's segments of the flat buffers, in place
+    def _gather(self):
+        """Every bucket's working weights from each rank's master slice: cast into the own slice, all-gather."""
+        for b in self.buckets:
+            if self.mixed:
+                b.state["param"][b.state["lo"]: b.state["hi"]].copy_(b.state["master"])
         works = [dist.all_gather_single(b.state["param"], b.state["param"][b.state["lo"]: b.state["hi"]],
-                                             group=self.group, async_op=True) for b in self.buckets]
+                                        group=self.group, async_op=True) for b in self.buckets]
         for w in works:
             w.wait()
 
+    @torch.no_grad()
+    def step(self):
+        self.local_optimizer.step()  # updates this rank's master segments, in place
+        if self.grad_dtype != torch.float32:  # free the float32 copies of the bf16 gradients
+            for b in self.buckets:
+                for s in b.state["segments"]:
+                    s.grad = None
+        self._gather()
+
+    def after_load(self):
+        if self.mixed:  # a checkpoint wrote the master segments: rebuild the working weights from them
+            self._gather()
+
     def zero_grad(self, set_to_none=True):
-        # stage 1 keeps its views (zeroed in place); stage 2 has no .grad outside backward. Shards are overwritten.
+        # stage 1 keeps its views (zeroed in place); stage 2 has no .grad outside backward, and its shards are
+        # overwritten by the next reduction, unless every micro-step adds into them
         if self.stage == 1:
             for b in self.buckets:
                 b.state["grad"].zero_()
+        elif self.sharded_accumulation:
+            for b in self.buckets:
+                b.state["grad_shard"].zero_()
 
 
 def apply_zero(model, mesh, p, make_optimizer, stage):
     """Ours: ZeRO-`stage` over the mesh's dp group."""
-    return ZeroOptimizer(model, make_optimizer, stage, p.bucket_mb, DTYPES[p.reduce_dtype], group=mesh.get_group("dp"))
+    return ZeroOptimizer(model, make_optimizer, stage, p.bucket_mb, DTYPES[p.reduce_dtype], DTYPES[p.param_dtype],
+                         p.accumulate, group=mesh.get_group("dp"))
 
 
 # --- torch's twins
@@ -154,6 +263,7 @@ class TorchZero1(Replicated):
 
 def apply_torch_zero2(model, mesh, p, make_optimizer):
     """torch's FSDP2 with every unit kept gathered from forward to backward: ZeRO-2's traffic (reduce-scatter of the
-    gradients, one all-gather of the parameters per step), parameters sharded between steps too."""
-    return apply_torch_fsdp(model, mesh, p, make_optimizer, blocks_per_unit=1, reshard_after_forward=False,
-                            param_dtype="float32")
+    gradients, one all-gather of the parameters per step), parameters sharded between steps too. Its
+    MixedPrecisionPolicy is the twin of our mixed precision: parameters gathered in param_dtype, gradients reduced in
+    reduce_dtype, fp32 shards."""
+    return apply_torch_fsdp(model, mesh, p, make_optimizer, blocks_per_unit=1, reshard_after_forward=False)

@@ -1,7 +1,10 @@
 """DDP, ZeRO-1 and ZeRO-2, ours and torch's, checked against single-process training and against the ZeRO paper.
 
 Real runs of train.py (torchrun, gloo, CPU, float32): the same seed and global batch as a parallel=single run must
-give the same per-step losses and final parameters; the comm counter and state accounting must match theory."""
+give the same per-step losses and final parameters; the comm counter and state accounting must match theory. ZeRO
+in mixed precision (bf16 working weights, fp32 master weights and moments in the shards): state, communication and
+transient memory equal to the paper's formulas and the planner's, losses within a stated tolerance of float32 and
+of torch's FSDP2 with MixedPrecisionPolicy, checkpoints of fp32 weights that resume bit for bit and reshard."""
 import os
 import tempfile
 
@@ -11,8 +14,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import train
-from conftest import (RUN, STEPS, assert_same_steps, assert_same_weights, losses, make_cfg, read_metrics, small_run,
-                      torchrun_jobs)
+import config
+from conftest import (RUN, STEPS, assert_same_steps, assert_same_weights, final_weights, losses, make_cfg, read_metrics,
+                      small_run, torchrun_jobs)
 from model import GPT, GPTConfig
 from parallel.ddp import DDP
 from parallel.zero import ZeroOptimizer
@@ -27,6 +31,16 @@ TORCH_STATE = {"ddp": lambda P, N: 16 * P,
 
 CASES = [(s, i, w) for w in (2, 4) for i in ("scratch", "torch") for s in ("ddp", "zero1", "zero2")]
 BF16 = ("ddp", "zero2")
+# mixed precision (parallel.param_dtype=bfloat16), (stage, reduce_dtype, accumulate, world): both gradient dtypes of
+# ZeRO-1, all four of ZeRO-2, both stages at each world size, local beside sharded accumulation at each
+MIXED = [("zero1", "bfloat16", "local", 2), ("zero2", "bfloat16", "local", 2), ("zero2", "bfloat16", "sharded", 2),
+         ("zero1", "float32", "local", 4), ("zero2", "float32", "local", 4), ("zero2", "float32", "sharded", 4)]
+SAVER = MIXED[1]  # checkpoints at step 3, from which a run of its own layout and one of another resume
+
+
+def mixed(stage, reduce_dtype, accumulate, *extra):
+    return small_run(*RUN, f"parallel={stage}", "parallel.param_dtype=bfloat16",
+                     f"parallel.reduce_dtype={reduce_dtype}", f"parallel.accumulate={accumulate}", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +49,21 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dp")
     dirs = {(s, i, w): str(root / f"{s}-{i}-{w}") for s, i, w in CASES}
     dirs.update({("bf16", s): str(root / f"bf16-{s}") for s in BF16})
+    dirs.update({c: str(root / ("mixed-" + "-".join(map(str, c)))) for c in MIXED})
+    dirs.update({k: str(root / k) for k in ("twin", "fp32-sharded", "resumed", "resharded")})
+    step3 = f"train.resume={dirs[SAVER]}/checkpoints/step_0000003"
     for world in (2, 4):
         jobs = [(dirs[c], small_run(*RUN, f"parallel={c[0]}", f"parallel.impl={c[1]}")) for c in CASES if c[2] == world]
+        jobs += [(dirs[c], mixed(*c[:3], *(["checkpoint.every=3"] if c == SAVER else []))) for c in MIXED
+                 if c[3] == world]
         if world == 2:
             jobs += [(dirs["bf16", s], small_run(*RUN, f"parallel={s}", "parallel.reduce_dtype=bfloat16"))
                      for s in BF16]
+            jobs += [(dirs["twin"], mixed("zero2", "bfloat16", "local", "parallel.impl=torch")),
+                     (dirs["fp32-sharded"], small_run(*RUN, "parallel=zero2", "parallel.accumulate=sharded")),
+                     (dirs["resumed"], mixed(*SAVER[:3], step3))]
+        else:  # SAVER's checkpoint into the other stage, gradient dtype and world size
+            jobs += [(dirs["resharded"], mixed("zero1", "float32", "local", step3))]
         torchrun_jobs(world, jobs)
     return dirs
 
@@ -85,6 +109,95 @@ def test_bf16_reduction(single, runs, strategy):
         if "comm_bytes" in r:
             assert r["comm_bytes"] == pytest.approx(expected, rel=0.02)
     torch.testing.assert_close(losses(run_dir), losses(single), rtol=2e-3, atol=0)
+
+
+# ---- mixed precision: bf16 working weights, fp32 master weights and Adam moments in the shards ----
+# model state per rank in bytes per parameter: the ZeRO paper's (bf16 gradients) and Megatron's distributed optimizer
+# (ZeRO-1 with fp32 gradients)
+MIXED_STATE = {("zero1", "bfloat16"): lambda N: 2 + 2 + 12 / N, ("zero2", "bfloat16"): lambda N: 2 + 14 / N,
+               ("zero1", "float32"): lambda N: 2 + 4 + 12 / N, ("zero2", "float32"): lambda N: 2 + 16 / N}
+# against float32 (parallel=single) over 6 steps, the working weights rounded to bf16 after every step:
+# loss within 1e-4 relative (2.1e-5 seen), gradient norm within 5e-3 (1.3e-3 seen)
+MIXED_RTOL = {"loss": 1e-4, "grad_norm": 5e-3}
+
+
+@pytest.mark.parametrize("case", MIXED, ids=["-".join(map(str, c)) for c in MIXED])
+def test_mixed_precision_state_comm_and_loss(single, runs, case):
+    """Measured state_bytes equal to the formula; comm = reduce-scatter (once, or every micro-step under
+    accumulate=sharded) + bf16 all-gather; state, comm and transient equal to the planner's for the same config."""
+    stage, reduce_dtype, accumulate, world = case
+    start, *records = read_metrics(runs[case])
+    steps = [r for r in records if "comm_bytes" in r]
+    P, accum = start["n_params"], start["grad_accum"]
+    assert len(steps) == STEPS and accum == 16 // (2 * world)
+    predicted = plan.predict(make_cfg(*mixed(*case[:3])), world)
+    reduce_scatter = (accum if accumulate == "sharded" else 1) * P * (2 if reduce_dtype == "bfloat16" else 4)
+    for r in steps:
+        assert r["state_bytes_max"] == pytest.approx(MIXED_STATE[stage, reduce_dtype](world) * P, rel=1e-3)
+        assert r["state_bytes"] == pytest.approx(predicted["state"], rel=1e-3)
+        assert r["comm_bytes"] == pytest.approx(reduce_scatter + 2 * P, rel=1e-3)
+        assert r["comm_bytes"] == pytest.approx(predicted["comm_total"], rel=1e-3)
+        assert r["transient_bytes"] == pytest.approx(predicted["memory"]["transient"], rel=1e-3)
+    for key, rtol in MIXED_RTOL.items():
+        torch.testing.assert_close(losses(runs[case], key), losses(single, key), rtol=rtol, atol=0,
+                                   msg=lambda m, key=key: f"{key}: {m}")
+    print(f"{'-'.join(map(str, case))}: state {steps[-1]['state_bytes_max'] / P:.3f} B/param "
+          f"(formula {MIXED_STATE[stage, reduce_dtype](world):.3f}), comm {steps[-1]['comm_bytes'] / P:.3f} B/param, "
+          f"transient {steps[-1]['transient_bytes'] / P:.3f} B/param")
+
+
+@pytest.mark.parametrize("world,reduce_dtype", [(2, "bfloat16"), (4, "float32")])
+def test_accumulation_trade(runs, world, reduce_dtype):
+    """ZeRO-2's two ways to accumulate, measured: the same state; local holds full gradients between micro-steps
+    (P x gradient bytes), sharded none (only bf16 gradients' fp32 copy for the step, 4P/N) and pays a
+    reduce-scatter every micro-step instead of one per step."""
+    start, *records = read_metrics(runs["zero2", reduce_dtype, "local", world])
+    local, sharded = ([r for r in read_metrics(runs["zero2", reduce_dtype, a, world]) if "comm_bytes" in r][-1]
+                      for a in ("local", "sharded"))
+    P, accum, gb = start["n_params"], start["grad_accum"], 2 if reduce_dtype == "bfloat16" else 4
+    assert local["state_bytes"] == sharded["state_bytes"]
+    assert local["transient_bytes"] == pytest.approx(gb * P, rel=1e-3)
+    assert sharded["transient_bytes"] == pytest.approx(4 * P / world if gb == 2 else 0, rel=1e-3)
+    rs = {a: r["comm_dp_reduce_scatter"] for a, r in (("local", local), ("sharded", sharded))}
+    assert rs["sharded"] == accum * rs["local"]
+
+
+def test_mixed_precision_twin(runs):
+    """torch's FSDP2 with MixedPrecisionPolicy (bf16 parameters, bf16 reduction, fp32 shards), ZeRO-2's torch twin:
+    losses equal to ours within 1e-5 relative (0 seen) and norms within 1e-4 (1e-6 seen); its state is 16P/N (it
+    keeps even the parameters sharded), its traffic a bf16 reduce-scatter + a bf16 all-gather."""
+    ours, twin = runs["zero2", "bfloat16", "local", 2], runs["twin"]
+    for key, rtol in (("loss", 1e-5), ("grad_norm", 1e-4)):
+        torch.testing.assert_close(losses(twin, key), losses(ours, key), rtol=rtol, atol=0,
+                                   msg=lambda m, key=key: f"{key}: {m}")
+    start, *records = read_metrics(twin)
+    P = start["n_params"]
+    for r in records:
+        if "comm_bytes" in r:
+            assert r["state_bytes_max"] == pytest.approx(16 * P / 2, rel=0.05)
+            assert r["comm_bytes"] == pytest.approx(2 * P + 2 * P, rel=0.02)
+
+
+def test_sharded_accumulation_fp32_equals_single(single, runs):
+    """Reduce-scatter every micro-step, sum in the shard: in float32 the same steps as one process (rtol 1e-5)."""
+    assert_same_steps(runs["fp32-sharded"], single)
+    assert_same_weights(runs["fp32-sharded"], single)
+    start, *records = read_metrics(runs["fp32-sharded"])
+    P, accum = start["n_params"], start["grad_accum"]
+    assert [r["comm_bytes"] for r in records if "comm_bytes" in r] == pytest.approx([accum * 4 * P + 4 * P] * STEPS,
+                                                                                    rel=1e-3)
+
+
+def test_mixed_precision_checkpoints(runs):
+    """A mixed-precision checkpoint stores the fp32 master weights; its own layout resumes bit for bit (the bf16
+    working weights rebuilt from them), another stage, gradient dtype and world size within MIXED_RTOL."""
+    saver = runs[SAVER]
+    assert {w.dtype for w in final_weights(saver).values()} == {torch.float32}
+    for key in ("loss", "grad_norm"):
+        assert torch.equal(losses(runs["resumed"], key), losses(saver, key)[3:]), key
+        torch.testing.assert_close(losses(runs["resharded"], key), losses(saver, key)[3:], rtol=MIXED_RTOL[key],
+                                   atol=0)
+    assert_same_weights(runs["resumed"], saver, atol=0, rtol=0)
 
 
 # ---- in-process checks with a tiny GPT on 2 ranks (torch.multiprocessing, gloo) ----
@@ -176,12 +289,32 @@ def test_overlap_and_gradients_in_place(strategy):
                                                                       "parallel"),
     (["parallel=zero1", "parallel.tp=2", "parallel.impl=torch"], 4, "parallel.data=zero1 with parallel.tp > 1 has "
                                                                     "no torch twin"),
+    (["parallel=ddp", "parallel.param_dtype=bfloat16"], 2,
+     "parallel.param_dtype=bfloat16: parallel=ddp computes with its float32 weights and has no working copy"),
+    (["parallel=single", "parallel.param_dtype=bfloat16"], 1,
+     "parallel.param_dtype=bfloat16: parallel=single computes"),
+    (["parallel=tp", "parallel.param_dtype=bfloat16"], 2, "parallel.param_dtype=bfloat16: parallel=tp computes"),
+    (["parallel=zero1", "parallel.impl=torch", "parallel.param_dtype=bfloat16"], 2,
+     "parallel.param_dtype=bfloat16 with parallel.data=zero1 has no torch twin (ZeroRedundancyOptimizer"),
+    (["parallel=zero1", "parallel.accumulate=sharded"], 2, "parallel.accumulate=sharded reduce-scatters every "
+     "micro-step into our ZeRO-2's gradient shard; parallel=zero1 accumulates locally"),
+    (["parallel=zero2", "parallel.impl=torch", "parallel.accumulate=sharded"], 2, "parallel=zero2 impl=torch"),
+    (["parallel=zero2", "parallel.accumulate=always"], 2, "parallel.accumulate='always': expected local or sharded"),
 ])
 def test_bad_parallel_settings(tmp_path, overrides, world, message):
     with pytest.raises(train.ConfigError) as err:
         train.check_config(make_cfg(*small_run(*overrides)), str(tmp_path / "run"), world)
     assert message in str(err.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_bf16_weights_need_a_device_that_computes_in_bf16(tmp_path, monkeypatch):
+    monkeypatch.setattr(config, "bf16_supported", lambda device: False)
+    with pytest.raises(train.ConfigError) as err:
+        train.check_config(make_cfg(*small_run("parallel=zero2", "parallel.param_dtype=bfloat16")),
+                           str(tmp_path / "run"), 2)
+    assert str(err.value) == ("parallel.param_dtype=bfloat16: this device can't compute in bfloat16; use "
+                              "parallel.param_dtype=float32")
 
 
 def _count_worker(rank, world, init_file, errors):

@@ -50,6 +50,8 @@ def forked_run(world, run_dir, *overrides):
 SP = [(s, 4, ("parallel.sequence_parallel=true",)) for s in ("tp", "fsdp_tp")]
 # and ZeRO over dp beside tensor parallel (zero1_tp, zero2_tp)
 SP += [(s, 4, ("parallel.tp=2",)) for s in ("zero1", "zero2")]
+# and mixed-precision ZeRO beside sequence parallel: its activations are bf16 although train.dtype=float32
+SP += [("zero1", 4, ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.param_dtype=bfloat16"))]
 
 
 @pytest.mark.parametrize("strategy,world,extra", [(s, w, ()) for s, w in LAYOUTS] + SP)
@@ -171,12 +173,50 @@ def test_time_model():
     (["parallel=ddp", "plan.world=1"], "needs several processes"),
     (["plan.world=0"], "plan.world=0 must be a positive integer"),
     (["parallel=pipeline"], "Could not find 'parallel/pipeline'"),
+    (["parallel=ddp", "parallel.param_dtype=bfloat16"], "parallel.param_dtype=bfloat16: parallel=ddp computes with"),
 ])
 def test_bad_input_is_one_line(overrides, message):
     with pytest.raises(SystemExit) as e:
         plan.main(overrides)
     text = str(e.value.code)
     assert text.startswith("error: ") and message in text and "\n" not in text, text
+
+
+def test_figure1(capsys):
+    """`python -m tools.plan --figure1`: the ZeRO paper's Figure 1 (Psi = 7.5B, N = 64) from state_bytes, to the
+    paper's one decimal: 120 / 31.4 / 16.6 / 1.9 GB."""
+    rows = plan.figure1()
+    assert [(s, round(ours, 1)) for s, _, _, ours, _ in rows] == [("ddp", 120.0), ("zero1", 31.4), ("zero2", 16.6),
+                                                                   ("fsdp", 1.9)]
+    assert all(round(ours, 1) == paper for *_, ours, paper in rows)
+    plan.main(["--figure1"])
+    out = capsys.readouterr().out
+    assert "| zero1 | parallel=zero1 parallel.param_dtype=bfloat16 parallel.reduce_dtype=bfloat16 | 2 Psi + 2 Psi + " \
+           "K Psi / N | 31.41 | 31.4 |" in out and "| fsdp | parallel=fsdp | (2 + 2 + K) Psi / N | 1.88 | 1.9 |" in out
+
+
+def test_mixed_precision_zero_follows_every_knob():
+    """Psi = 7.66B on 64 ranks, accumulation 8 (the issue's example): ZeRO-2's local accumulation holds full fp32
+    gradients between micro-steps (30.6 GB, all of its saving); sharded accumulation holds none and reduce-scatters
+    8 times. ZeRO-1 with bf16 weights and fp32 gradients is Megatron's distributed optimizer, 6 + 12/N bytes."""
+    big = ("model.n_layer=36", "model.n_embd=4096", "model.n_head=32", "train.global_batch_size=4096",
+           "parallel.param_dtype=bfloat16")
+    local, sharded = (plan.predict(plan_cfg(*big, "parallel=zero2", f"parallel.accumulate={a}"), 64)
+                      for a in ("local", "sharded"))
+    P = local["params_per_rank"]
+    assert round(P / 1e9, 2) == 7.66 and local["accum"] == 8
+    assert local["memory"]["transient"] == 4 * P and round(local["memory"]["transient"] / 1e9, 1) == 30.6
+    assert sharded["memory"]["transient"] == 0
+    assert sharded["state"] == local["state"] == pytest.approx((2 + 16 / 64) * P)
+    assert sharded["comm"]["dp", "reduce_scatter"] == 8 * local["comm"]["dp", "reduce_scatter"] == 8 * 4 * P
+    assert local["comm"]["dp", "all_gather"] == 2 * P  # the bf16 working weights
+    bf16 = plan.predict(plan_cfg(*big, "parallel=zero2", "parallel.reduce_dtype=bfloat16"), 64)
+    assert bf16["state"] == pytest.approx((2 + 14 / 64) * P) and bf16["memory"]["transient"] == 2 * P
+    assert bf16["comm"]["dp", "reduce_scatter"] == 2 * P
+    zero1 = plan.predict(plan_cfg(*big, "parallel=zero1"), 64)
+    assert zero1["state"] == pytest.approx((6 + 12 / 64) * P) and zero1["memory"]["transient"] == 0
+    fp32 = plan.predict(plan_cfg(*big[:-1], "parallel=zero1"), 64)
+    assert fp32["state"] == pytest.approx((8 + 8 / 64) * P) and fp32["comm"]["dp", "all_gather"] == 4 * P
 
 
 def test_impossible_layouts():

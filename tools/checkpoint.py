@@ -14,6 +14,8 @@ What each strategy holds (see `_layout`):
   our zero1/2 optimizer state,       segments: the range [a, z) of a flattened parameter that falls in this rank's
   our fsdp                           shard (parallel/zero.py). A range of a row-major matrix is at most 3 rectangles:
                                      the end of a row, whole rows, the start of a row.
+  our zero1/2 in mixed precision     weights and optimizer state both as segments: the fp32 master (the bf16
+  (parallel.param_dtype=bfloat16)    working copy is rebuilt from it after loading, `after_load`)
   our tp                             a block of rows (column-parallel) or of columns (row-parallel) at the tp rank's
                                      offset; under fsdp_tp the FSDP segments are ranges of that block.
   torch's FSDP2 / TP / fsdp_tp       DTensors, which DCP places itself.
@@ -468,6 +470,7 @@ def load(path, par):
     for src, others in copies:
         for t in others:
             t.copy_(src)
+    par.data.after_load()  # ZeRO in mixed precision: the bf16 working weights from the fp32 masters just read
     if f"rng.{rank}.cpu" in rng:
         torch.set_rng_state(rng[f"rng.{rank}.cpu"])
     if f"rng.{rank}.cuda" in rng:

@@ -4,17 +4,23 @@ layout and cluster, from each strategy's theory. Pure arithmetic: nothing is all
     python -m tools.plan                       # conf/plan.yaml: gpt_1p3b, parallel=fsdp, 8 H100s over NVLink
     python -m tools.plan model=gpt_1p3b parallel=fsdp parallel.param_dtype=bfloat16 plan.world=64 plan.link=pcie
     python -m tools.plan parallel=fsdp_tp parallel.tp=8 plan.world=64
+    python -m tools.plan --figure1             # the ZeRO paper's Figure 1 from state_bytes, beside the paper's
 
 The settings are conf/plan.yaml: the training config as train.py composes it (model, data for the vocab, parallel,
 optim, train) plus `plan.*`, the cluster. It prints the chosen layout in detail, then every layout of the same
 world ranked by predicted step time, those that fit first.
 
 The theory, per rank, with P the parameters a rank computes with (all of them, or 1/tp of the matrices under
-tensor parallelism) and N the data-parallel ranks (fp32 master weights and gradients):
+tensor parallelism) and N the data-parallel ranks:
 - state: parameters 4P + gradients 4P + optimizer state (AdamW 8P), each whole or split over N (SHARDED: ZeRO's
-  stages); theory() is this with fp32 Adam, for the tests and the benchmark.
+  stages); theory() is this with fp32 Adam, for the tests and the benchmark. ZeRO in mixed precision
+  (parallel.param_dtype=bfloat16, parallel/zero.py): working weights 2P + fp32 master 4P/N + gradients in
+  reduce_dtype + optimizer state, so 2P + 2P + 12P/N (ZeRO-1) and 2P + 14P/N (ZeRO-2) under bf16 gradients: the
+  paper's Figure 1 (`--figure1`).
 - comm: bytes per optimizer step as parallel/comm.py counts them (all-reduce 2x its tensor, reduce-scatter its
   input, all-gather its output), split by collective and by mesh dimension (dp, tp).
+- transient: what a strategy holds for a moment beyond that state (FSDP's gathered units; ZeRO-2's full local
+  gradients between micro-steps, which parallel.accumulate=sharded trades for a reduce-scatter per micro-step).
 - time: compute at a stated fraction of the peak, plus the communication each strategy can't hide behind it.
 tests/test_plan.py checks state and comm against real runs' counters at world sizes 1, 2 and 4.
 """
@@ -59,8 +65,9 @@ SHARDED = {"single": (), "ddp": (), "zero1": ("optimizer",), "zero2": ("gradient
 STRATEGIES = tuple(SHARDED)  # layouts as config.layout_name names them
 TP_STRATEGIES = ("tp", "fsdp_tp", "zero1_tp", "zero2_tp")  # the others have tp = 1
 # Settings the theory reads from parallel.*, with the value a strategy without that setting behaves as
-KNOBS = {"reduce_dtype": "float32", "param_dtype": "float32", "reshard_after_forward": True, "prefetch": 1,
-         "sequence_parallel": False}
+KNOBS = {"reduce_dtype": "float32", "param_dtype": "float32", "accumulate": "local", "reshard_after_forward": True,
+         "prefetch": 1, "sequence_parallel": False}
+ZERO = ("zero1", "zero2", "zero1_tp", "zero2_tp")
 
 
 def optimizer_bytes(optim):
@@ -92,23 +99,29 @@ def params_per_rank(shape, tp):
 
 
 # --- the theory of each strategy: state and communication
-def state_bytes(strategy, P, dp, opt_bytes=8):
-    """Model state per rank: {parameters, gradients, optimizer: bytes}, for P parameters on this rank's tp slice."""
+def state_bytes(strategy, P, dp, opt_bytes=8, knobs=KNOBS):
+    """Model state per rank: {parameters, gradients, optimizer: bytes}, for P parameters on this rank's tp slice.
+    ZeRO with param_dtype=bfloat16: bf16 working weights (whole), fp32 master weights (sharded, "master"), gradients
+    in the wider of param_dtype and reduce_dtype (parallel/zero.py). FSDP's parameters are its fp32 shards whatever
+    param_dtype (the gathered bf16 copies are transient)."""
     whole = {"parameters": 4 * P, "gradients": 4 * P, "optimizer": opt_bytes * P}
-    return {k: v / dp if k in SHARDED[strategy] else v for k, v in whole.items()}
+    if strategy in ZERO and knobs["param_dtype"] != "float32":
+        pb, rb = DTYPE_BYTES[knobs["param_dtype"]], DTYPE_BYTES[knobs["reduce_dtype"]]
+        whole = {"parameters": pb * P, "master": 4 * P, "gradients": max(pb, rb) * P, "optimizer": opt_bytes * P}
+    return {k: v / dp if k in SHARDED[strategy] + ("master",) else v for k, v in whole.items()}
 
 
 def comm_bytes(strategy, P, accum, knobs=KNOBS, shape=None, micro=0, seq=0, act_bytes=4, tp=1, dp=1):
     """Bytes per optimizer step per rank, as parallel/comm.py counts them: Counter {(dim, collective): bytes}.
-    Non-final micro-steps of gradient accumulation reduce no gradients (no_sync)."""
+    Non-final micro-steps of gradient accumulation reduce no gradients (no_sync), except under ZeRO-2 with
+    accumulate=sharded, which reduce-scatters every micro-step."""
     rb, pb = DTYPE_BYTES[knobs["reduce_dtype"]], DTYPE_BYTES[knobs["param_dtype"]]
     c = Counter()
     if strategy == "ddp" or (strategy == "tp" and dp > 1):  # one all-reduce of the gradients (Li et al., 2020)
         c["dp", "all_reduce"] += 2 * P * rb
-    elif strategy in ("zero1", "zero2", "zero1_tp", "zero2_tp"):  # reduce-scatter the gradients, all-gather the
-        # updated fp32 weights
-        c["dp", "reduce_scatter"] += P * rb
-        c["dp", "all_gather"] += 4 * P
+    elif strategy in ZERO:  # reduce-scatter the gradients, all-gather the updated working weights
+        c["dp", "reduce_scatter"] += (accum if knobs["accumulate"] == "sharded" else 1) * P * rb
+        c["dp", "all_gather"] += P * pb
     elif strategy in ("fsdp", "fsdp_tp"):  # each micro-step gathers for forward and again for backward
         c["dp", "all_gather"] += accum * (2 if knobs["reshard_after_forward"] else 1) * P * pb
         c["dp", "reduce_scatter"] += P * rb
@@ -149,6 +162,35 @@ def theory(name, n_params, world, reduce_bytes=4, accum=1):
     return sum(comm.values()), sum(state_bytes(name, n_params, world).values())
 
 
+# The ZeRO paper's Figure 1 (Rajbhandari et al., 2020): model state per GPU for Psi = 7.5B parameters on N = 64
+# GPUs with mixed-precision Adam (K = 12 bytes of fp32 master weights and moments per parameter), in GB
+FIGURE1 = {"psi": 7.5e9, "n": 64, "paper": {"ddp": 120, "zero1": 31.4, "zero2": 16.6, "fsdp": 1.9}}
+
+
+def figure1():
+    """[(layout, settings, formula, GB from state_bytes, the paper's GB)] for Figure 1. ZeRO-1 and -2 in mixed
+    precision with bf16 gradients (the paper's fp16); DDP and FSDP in float32, whose state has the same size as the
+    paper's mixed precision: 4 + 4 + 8 = 2 + 2 + 12 bytes per parameter, whole (DDP) or over N (FSDP)."""
+    psi, n = FIGURE1["psi"], FIGURE1["n"]
+    bf16 = {**KNOBS, "param_dtype": "bfloat16", "reduce_dtype": "bfloat16"}
+    rows = [("ddp", "parallel=ddp", "(2 + 2 + K) Psi", KNOBS),
+            ("zero1", "parallel=zero1 parallel.param_dtype=bfloat16 parallel.reduce_dtype=bfloat16",
+             "2 Psi + 2 Psi + K Psi / N", bf16),
+            ("zero2", "parallel=zero2 parallel.param_dtype=bfloat16 parallel.reduce_dtype=bfloat16",
+             "2 Psi + (2 + K) Psi / N", bf16),
+            ("fsdp", "parallel=fsdp", "(2 + 2 + K) Psi / N", KNOBS)]
+    return [(s, how, formula, sum(state_bytes(s, psi, n, 8, knobs).values()) / 1e9, FIGURE1["paper"][s])
+            for s, how, formula, knobs in rows]
+
+
+def figure1_report():
+    lines = [f"The ZeRO paper's Figure 1: model state per GPU, Psi = {FIGURE1['psi'] / 1e9:g}B parameters, "
+             f"N = {FIGURE1['n']} GPUs, Adam (K = 12), from tools/plan.py state_bytes",
+             "| layout | settings | formula | ours GB | paper GB |", "|---|---|---|---|---|"]
+    lines += [f"| {s} | {how} | {formula} | {ours:.2f} | {paper} |" for s, how, formula, ours, paper in figure1()]
+    return "\n".join(lines)
+
+
 # --- memory beyond the model state
 def checkpointed_fraction(mode, n_layer, every=1):
     """The share of blocks train.activation_checkpointing recomputes (parallel.apply_activation_checkpointing)."""
@@ -174,18 +216,24 @@ def activation_bytes(shape, micro, seq, act_bytes, tp=1, sequence_parallel=False
     return (L - n_ckpt) * block + n_ckpt * u * 4 / norm_split + end, block if n_ckpt else 0
 
 
-def transient_bytes(strategy, shape, P, accum, knobs, tp):
+def transient_bytes(strategy, shape, P, accum, knobs, tp, dp=1):
     """What a strategy holds for a moment beyond its steady state. FSDP: 1 + prefetch units gathered (every unit,
     at the end of forward, with reshard_after_forward=false), the gradients of the unit in backward, and two units'
     flattened gradients in reduction; the largest unit is the embedding or the norm + head, V d parameters.
-    ZeRO-2 with gradient accumulation: full local gradients between micro-steps."""
+    ZeRO-2 with local gradient accumulation: full local gradients between micro-steps (none with
+    accumulate=sharded); ZeRO with bf16 gradients: their float32 copy for the step, 4P/N; the larger of the two, as
+    parallel/zero.py measures it (buffers of a bucket or two in reduction left out)."""
     if strategy in ("fsdp", "fsdp_tp"):
         unit = shape["vocab"] * shape["n_embd"] / tp
         pb, rb = DTYPE_BYTES[knobs["param_dtype"]], DTYPE_BYTES[knobs["reduce_dtype"]]
         gathered = (1 + knobs["prefetch"]) * unit if knobs["reshard_after_forward"] else P
         return gathered * pb + unit * (pb + 2 * rb)
-    if strategy in ("zero2", "zero2_tp") and accum > 1:
-        return 4 * P
+    if strategy in ZERO:
+        pb, rb = DTYPE_BYTES[knobs["param_dtype"]], DTYPE_BYTES[knobs["reduce_dtype"]]
+        grad_bytes = max(pb, rb)
+        local = grad_bytes * P if strategy in ("zero2", "zero2_tp") and accum > 1 and knobs["accumulate"] == "local" \
+            else 0
+        return max(local, 4 * P / dp if grad_bytes == 2 else 0)
     return 0
 
 
@@ -209,7 +257,8 @@ def step_time(strategy, shape, world, tp, accum, micro, seq, comm, knobs, checkp
     a ring reduce-scatter (n-1)/n of its input, a ring all-reduce 2 (n-1)/n of its tensor (counted twice), so one
     formula serves all three (nccl-tests' "bus bandwidth"). Latency is left out: large messages. Overlap:
       ddp            the gradient all-reduce runs during the last micro-step's backward
-      zero1, zero2   the reduce-scatter likewise; the all-gather of updated weights follows the step, exposed
+      zero1, zero2   the reduce-scatter likewise (accumulate=sharded: each micro-step's during its own backward);
+                     the all-gather of updated weights follows the step, exposed
       fsdp, fsdp_tp  with prefetch, each micro-step's gathers run during its forward and backward, the
                      reduce-scatter during the last backward; prefetch=0 exposes them all
       tp             the all-reduces sit between the layers that need them: all exposed"""
@@ -223,8 +272,9 @@ def step_time(strategy, shape, world, tp, accum, micro, seq, comm, knobs, checkp
     exposed = t["tp", "all_reduce"] + t["tp", "all_gather"] + t["tp", "reduce_scatter"]
     if strategy in ("ddp", "tp"):  # tp: DDP over dp, when dp > 1
         exposed += max(0.0, t["dp", "all_reduce"] - bwd)
-    elif strategy in ("zero1", "zero2", "zero1_tp", "zero2_tp"):
-        exposed += max(0.0, t["dp", "reduce_scatter"] - bwd) + t["dp", "all_gather"]
+    elif strategy in ZERO:
+        n = accum if knobs["accumulate"] == "sharded" else 1  # reduce-scatters per step
+        exposed += n * max(0.0, t["dp", "reduce_scatter"] / n - bwd) + t["dp", "all_gather"]
     elif strategy in ("fsdp", "fsdp_tp"):
         gather = t["dp", "all_gather"] / accum  # one micro-step's gathers
         fwd_gather = gather / 2 if knobs["reshard_after_forward"] else gather
@@ -255,13 +305,14 @@ def predict(cfg, world, strategy=None, tp=None, ac=None, shape=None, plan=None):
     t = cfg.train
     dp = world // tp
     accum = t.global_batch_size // (t.micro_batch_size * dp)
-    act_bytes = DTYPE_BYTES.get(t.dtype, 2)  # auto: bf16 autocast, as on any GPU this plans for
+    # auto: bf16 autocast, as on any GPU this plans for; bf16 working weights compute in bf16 whatever train.dtype
+    act_bytes = 2 if knobs["param_dtype"] == "bfloat16" else DTYPE_BYTES.get(t.dtype, 2)
     P = params_per_rank(shape, tp)
-    state = state_bytes(strategy, P, dp, optimizer_bytes(cfg.optim))
+    state = state_bytes(strategy, P, dp, optimizer_bytes(cfg.optim), knobs)
     comm = comm_bytes(strategy, P, accum, knobs, shape, t.micro_batch_size, t.seq_len, act_bytes, tp, dp)
     kept, recompute = activation_bytes(shape, t.micro_batch_size, t.seq_len, act_bytes, tp,
                                        knobs["sequence_parallel"], checkpointed)
-    memory = {**state, "transient": transient_bytes(strategy, shape, P, accum, knobs, tp),
+    memory = {**state, "transient": transient_bytes(strategy, shape, P, accum, knobs, tp, dp),
               "activations": kept + recompute}
     out = {"strategy": strategy, "tp": tp, "dp": dp, "accum": accum, "ac": ac,
            "params_per_rank": P, "state": sum(state.values()), "memory": memory, "total_memory": sum(memory.values()),
@@ -354,7 +405,8 @@ def report(cfg, shape):
         f"model: {shape['n_params'] / 1e9:.3f}B parameters (L={shape['n_layer']}, d={shape['n_embd']}, "
         f"heads={shape['n_head']}, vocab {shape['vocab']} padded), {shape['flops_per_token'] / 1e9:.2f} GFLOP/token "
         f"| batch {t.global_batch_size} x {t.seq_len} tokens, micro-batch {t.micro_batch_size}, activations in "
-        f"{'float32' if t.dtype == 'float32' else 'bfloat16'}, {cfg.optim.name}",
+        f"{'float32' if t.dtype == 'float32' and chosen['knobs']['param_dtype'] == 'float32' else 'bfloat16'}, "
+        f"{cfg.optim.name}",
         f"cluster: {world} x {plan.gpu} ({gpu['peak'] / 1e12:.0f} TFLOP/s bf16, {gpu['memory'] / 1e9:.0f} GB) on "
         f"{nodes} node(s) of {plan.gpus_per_node}; {plan.link} {gpu[plan.link] / 1e9:.0f} GB/s within a node, "
         f"{plan.network} {NETWORKS[plan.network] / 1e9:.0f} GB/s per GPU between; assumed: "
@@ -370,8 +422,9 @@ def report(cfg, shape):
         p = predict(cfg, world, ac=ac, shape=shape, plan=plan)
         m = p["memory"]
         if ac == "none":
-            lines += [f"  parameters {gb(m['parameters']):>8}   gradients {gb(m['gradients'])}   optimizer state "
-                      f"{gb(m['optimizer'])}   transient {gb(m['transient'])}"]
+            master = f"   fp32 master {gb(m['master'])}" if "master" in m else ""
+            lines += [f"  parameters {gb(m['parameters']):>8}{master}   gradients {gb(m['gradients'])}   optimizer "
+                      f"state {gb(m['optimizer'])}   transient {gb(m['transient'])}"]
         lines += [f"  activation checkpointing {p['ac']:4s}: activations {gb(m['activations']):>7}, total "
                   f"{gb(p['total_memory']):>7} of {gpu['memory'] * plan.usable_memory / 1e9:.0f} usable: "
                   f"{'fits' if p['fits'] else 'does NOT fit'}"]
@@ -423,6 +476,9 @@ def compose(overrides, config_name="plan"):
 def main(argv):
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
+        return
+    if "--figure1" in argv:
+        print(figure1_report())
         return
     try:
         cfg = compose(argv)
