@@ -83,16 +83,16 @@ def parallelize(model, p, mesh, make_optimizer, device, train):
     apply_activation_checkpointing(model, train.activation_checkpointing, train.ac_every)
     if train.compile:
         apply_compile(model, tensor_parallel=dims["tp"] > 1)
-    # 4. data parallel: ours FSDP materializes one shard at a time; everything else materializes here first
+    # 4. data parallel: ours FSDP materializes one shard at a time; everything else materializes here first. One
+    # replica (parallel=single, or tensor parallel alone) needs no strategy; FSDP runs on one rank too, to be timed
     init_param = par_tp.init_param or model.init_param
+    one_replica = p.data == "none" or (dims["dp"] == 1 and p.data != "fsdp")
     if p.data == "fsdp" and p.impl == "scratch":
         data = fsdp.apply_fsdp(model, mesh, p, make_optimizer, device, init_param)
     else:
         materialize(model, init_param, device)
-        if (p.data, p.impl) in DATA_PARALLEL and dims["dp"] > 1 or p.data == "fsdp":
-            data = DATA_PARALLEL[p.data, p.impl](model, mesh, p, make_optimizer)
-        else:  # one replica: parallel=single, or tensor parallel alone
-            data = DataParallel(model, make_optimizer)
+        data = DataParallel(model, make_optimizer) if one_replica else \
+            DATA_PARALLEL[p.data, p.impl](model, mesh, p, make_optimizer)
     return Parallelized(data.model, data.module, data.optimizer, data, par_tp, mesh, dims, device)
 
 

@@ -4,7 +4,8 @@ parameters are gathered just before they are needed and freed right after.
 Zhao et al., 2023, "PyTorch FSDP"; Rajbhandari et al., 2020 (ZeRO stage 3). P parameters, N ranks, fp32 Adam:
   model state per rank   16P/N bytes (fp32 shard 4P/N + gradient shard 4P/N + Adam moments 8P/N), plus the
                          transient: at most 1 + prefetch units gathered, the gradients of the unit in backward,
-                         and 2 units' flattened gradients in reduction (`peak_gathered` measures it)
+                         and 2 units' flattened gradients in reduction, and under gradient accumulation the
+                         local gradient sums, P x bytes of reduce_dtype (`peak_gathered` measures it all)
   communication per step all-gather in forward (Psi) + all-gather again in backward (Psi) + reduce-scatter of the
                          gradients (Psi) = 3 Psi; 2 Psi with reshard_after_forward=false, which keeps each unit
                          gathered from its forward to its backward (ZeRO-2's traffic, with more memory held)
@@ -21,7 +22,9 @@ sees the refilled values (the trick torch's first FSDP used).
             the gradients are flattened, reduce-scattered (in reduce_dtype) and the unit freed; at the end of
             backward each rank adds its reduced slice into its fp32 gradient shard.
 - step:     the optimizer only ever sees shards (the caller's optimizer class and groups, over this rank's pieces).
-- no_sync:  non-final micro-steps keep full local gradients and communicate no gradient; units are still freed.
+- no_sync:  non-final micro-steps communicate no gradient: as each unit's backward ends its gradients are added into
+            a flat local sum in reduce_dtype (fp32 by default, whatever param_dtype: bf16 sums over micro-steps lose
+            bits), which the last micro-step reduce-scatters; units are still freed.
 - cpu_offload: shards, gradient shards and optimizer state live in CPU memory and the step runs there.
 - meta-device init: given a model built on the meta device, each unit is materialized one parameter at a time from
             model.init_param (same RNG order as a whole-model init) and only this rank's slice is kept: no rank
@@ -68,6 +71,7 @@ class FSDP(Sharded):
         self.units, segments = [], {}
         self.pending_reduce = []
         self.peak_gathered = 0  # most bytes of gathered units (and their gradients in flight) held at once
+        self.local_grads = 0  # bytes of the units' gradients accumulated locally between micro-steps (no_sync)
         for name, modules in units_of(model, blocks_per_unit):
             owned = [(mod, k, p) for m in modules for mod in m.modules() for k, p in mod._parameters.items()
                      if p is not None]
@@ -132,7 +136,7 @@ class FSDP(Sharded):
         held = sum(u.numel * u.state["gathered"].element_size() for u in self.units
                    if u.state["is_gathered"] or "gather" in u.state)
         held += sum(flat.numel() * flat.element_size() for _, _, flat, _ in self.pending_reduce)
-        self.peak_gathered = max(self.peak_gathered, held)
+        self.peak_gathered = max(self.peak_gathered, held + self.local_grads)
 
     def reshard(self):
         for u in self.units:
@@ -158,20 +162,27 @@ class FSDP(Sharded):
             self._gather(self.units[j], wait=False)
 
     def _reduce_scatter(self, u):
-        if self.hooks.sync:
-            flat = torch.zeros(u.numel, dtype=self.reduce_dtype, device=self.device)
-            for p, o in zip(u.params, u.offsets):
-                flat[o: o + p.numel()].copy_(p.grad.view(-1))
-                p.grad = None
+        # this micro-step's gradients of the unit, added into its flat accumulation buffer in reduce_dtype (bf16
+        # .grad tensors summed over micro-steps in bf16 would lose their low bits), and dropped
+        acc = u.state.get("acc")
+        if acc is None:
+            acc = u.state["acc"] = torch.zeros(u.numel, dtype=self.reduce_dtype, device=self.device)
+            self.local_grads += acc.numel() * acc.element_size()
+        for p, o in zip(u.params, u.offsets):
+            acc[o: o + p.numel()].add_(p.grad.view(-1))
+            p.grad = None
+        if self.hooks.sync:  # the last micro-step: reduce-scatter the sum (non-final ones keep it local)
+            flat = u.state.pop("acc")
+            self.local_grads -= flat.numel() * flat.element_size()
             flat.div_(self.world)
             out = torch.empty(u.numel // self.world, dtype=self.reduce_dtype, device=self.device)
             work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
             self.pending_reduce.append((u, work, flat, out))
-            self._track()
             # at most one reduction in flight besides this one: each holds a full-size gradient buffer
             while len(self.pending_reduce) > 2 or (len(self.pending_reduce) > 1 and
                                                    self.pending_reduce[0][1].is_completed()):
                 self._settle(self.pending_reduce.pop(0))
+        self._track()
         self._free(u)  # this unit's backward is over
 
     def _settle(self, pending):

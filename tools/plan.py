@@ -219,7 +219,9 @@ def activation_bytes(shape, micro, seq, act_bytes, tp=1, sequence_parallel=False
 def transient_bytes(strategy, shape, P, accum, knobs, tp, dp=1):
     """What a strategy holds for a moment beyond its steady state. FSDP: 1 + prefetch units gathered (every unit,
     at the end of forward, with reshard_after_forward=false), the gradients of the unit in backward, and two units'
-    flattened gradients in reduction; the largest unit is the embedding or the norm + head, V d parameters.
+    flattened gradients in reduction; the largest unit is the embedding or the norm + head, V d parameters; under
+    gradient accumulation, every unit's local gradient sum in reduce_dtype besides (P rb: 5.6 GB for gpt_1p3b at
+    accumulation 8, over all of FSDP's 16P/N at N = 8).
     ZeRO-2 with local gradient accumulation: full local gradients between micro-steps (none with
     accumulate=sharded); ZeRO with bf16 gradients: their float32 copy for the step, 4P/N; the larger of the two, as
     parallel/zero.py measures it (buffers of a bucket or two in reduction left out)."""
@@ -227,6 +229,8 @@ def transient_bytes(strategy, shape, P, accum, knobs, tp, dp=1):
         unit = shape["vocab"] * shape["n_embd"] / tp
         pb, rb = DTYPE_BYTES[knobs["param_dtype"]], DTYPE_BYTES[knobs["reduce_dtype"]]
         gathered = (1 + knobs["prefetch"]) * unit if knobs["reshard_after_forward"] else P
+        if accum > 1:  # every unit's gradient sum, kept between micro-steps (the last one reduce-scatters those)
+            return gathered * pb + unit * pb + P * rb
         return gathered * pb + unit * (pb + 2 * rb)
     if strategy in ZERO:
         pb, rb = DTYPE_BYTES[knobs["param_dtype"]], DTYPE_BYTES[knobs["reduce_dtype"]]
