@@ -57,6 +57,7 @@ class Train:
     device: str = choice("auto", "cpu", "cuda")
     compile: bool = MISSING
     profile: bool = MISSING
+    peak_tflops: Optional[float] = field(default=None, metadata={"gt": 0})
     activation_checkpointing: str = choice("none", "full", "every_n")
     ac_every: int = at_least(1)
     out_dir: str = MISSING

@@ -125,8 +125,11 @@ def run(cfg, run_dir):
     par = parallel.parallelize(model, cfg.parallel, mesh, lambda m: make_optimizer(m, o), device, t)
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if dtype == "bfloat16" \
         else contextlib.nullcontext()
-    # MFU only where the datasheet's peak is known (tools/plan.py GPUS); a CPU's is not a number we can state
-    peak = plan.peak_flops(torch.cuda.get_device_name(device)) if device.startswith("cuda") else None
+    # MFU only against a peak someone stated: train.peak_tflops, or the datasheet's for a GPU we know by name
+    gpu = torch.cuda.get_device_name(device) if device.startswith("cuda") else None
+    peak = t.peak_tflops * 1e12 if t.peak_tflops else plan.peak_flops(gpu) if gpu else None
+    if gpu and not peak:
+        print0(f"mfu: left out: no datasheet peak for {gpu!r} in tools/plan.py DEVICE_PEAKS; set train.peak_tflops")
 
     # --- resume: any strategy's checkpoint at any world size loads into this one (tools/checkpoint.py)
     tokenizer_spec = prepare.tokenizer_spec(data_dir, meta)

@@ -251,3 +251,18 @@ def test_gpu_bench_stays_within_its_budget():
     t0 = time.time()
     rows = gpu_bench.main(["--device", "cpu", "--tiny", "--budget", "1"])
     assert time.time() - t0 < 10 and [r["tok_per_s"] for r in rows] == ["out of time"] * 2
+
+
+def test_peak_flops_by_exact_name(tmp_path):
+    """An H100 PCIe is not an H100 SXM: exact names from torch.cuda.get_device_name, unknown ones None (MFU is then
+    left out unless train.peak_tflops states the peak, which also gives a CPU run its MFU)."""
+    assert plan.peak_flops("NVIDIA H100 80GB HBM3") == 989e12 and plan.peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert plan.peak_flops("NVIDIA H200") == 989e12 and plan.peak_flops("NVIDIA A100-SXM4-40GB") == 312e12
+    assert plan.peak_flops("NVIDIA H100 PCIe 2") is None and plan.peak_flops("NVIDIA GeForce RTX 4090") is None
+    run_dir = str(tmp_path / "run")
+    train.run(make_cfg(*small_run("train.max_steps=2", "train.peak_tflops=0.5")), run_dir)
+    first, *records = read_metrics(run_dir)
+    for r in (r for r in records if "tok_per_s" in r):
+        assert r["mfu"] == pytest.approx(first["flops_per_token"] * r["tok_per_s"] / 0.5e12)
+    with pytest.raises(config.ConfigError, match="train.peak_tflops=0.0 must be positive"):
+        config.validate(make_cfg("train.peak_tflops=0.0"))
