@@ -79,7 +79,10 @@ class FSDP(Sharded):
             u = buckets.layout(params, pad=self.world)
             shard = u.numel // self.world
             lo, hi = self.rank * shard, (self.rank + 1) * shard
-            master = torch.zeros(shard, dtype=torch.float32, device=self.shard_device)
+            # offloaded shards in pinned memory where there is a GPU to copy to: a copy from pageable memory is
+            # synchronous, and each unit's gather would wait for it instead of overlapping (torch's offload pins too)
+            pin = cpu_offload and self.device.type == "cuda"
+            master = torch.zeros(shard, dtype=torch.float32, device=self.shard_device, pin_memory=pin)
             for p, o in zip(params, u.offsets):  # fill this rank's slice, one full parameter at a time
                 full = torch.empty(p.shape, dtype=torch.float32, device=self.device)
                 if on_meta:
@@ -97,7 +100,8 @@ class FSDP(Sharded):
                 setattr(mod, k, nn.Parameter(gathered[o: o + p.numel()].view(p.shape), p.requires_grad))
                 u.params.append(getattr(mod, k))
             u.state.update(name=name, modules=modules, master=master, lo=lo, hi=hi, gathered=gathered,
-                           grad_shard=torch.zeros_like(master), is_gathered=True)
+                           grad_shard=torch.zeros(shard, dtype=torch.float32, device=self.shard_device,
+                                                  pin_memory=pin), is_gathered=True)
             owned_segments(u.params, u.offsets, lo, hi, master, u.state["grad_shard"], segments)
             self._free(u)
             self.units.append(u)
@@ -116,7 +120,9 @@ class FSDP(Sharded):
     def _gather(self, u, wait=True):
         if not u.state["is_gathered"] and "gather" not in u.state:
             u.state["gathered"].untyped_storage().resize_(u.numel * u.state["gathered"].element_size())
-            src = u.state["master"].to(self.device, self.param_dtype)  # a copy unless fp32 and on the device
+            # a copy unless fp32 and on the device; from pinned memory the copy is queued on the stream the
+            # all-gather then runs on, and the host goes on (then the cast, on the device)
+            src = u.state["master"].to(self.device, non_blocking=True).to(self.param_dtype)
             # write through .data, an alias with a version counter of its own: the views autograd saved in forward
             # must not look modified when backward finds them refilled with the same values
             work = dist.all_gather_single(u.state["gathered"].data, src, group=self.group, async_op=True)
@@ -188,6 +194,8 @@ class FSDP(Sharded):
     def _settle(self, pending):
         u, work, flat, out = pending
         work.wait()
+        # synchronous when offloaded: the host waits here for the device's stream, so every gather queued from the
+        # pinned shards has read them before the step on the CPU writes them
         u.state["grad_shard"].add_(out.to(self.shard_device, torch.float32))
 
     def _end_of_backward(self):
