@@ -120,7 +120,7 @@ def apply_compile(model, tensor_parallel=False):
       dynamo traces into the gathers and breaks on them.
     - under our tensor parallel, whose f and g sit at the attention's and MLP's boundaries (and in the loss):
       their forwards, the hooks outside.
-    Measured on CPU (README, "Compile"): most of the gain is the loss over the vocabulary."""
+    Compiled against eager for every strategy: README, "Compile", from `python -m tools.bench --compile`."""
     if tensor_parallel:
         for block in model.blocks:
             block.attn.forward = torch.compile(block.attn.forward)
