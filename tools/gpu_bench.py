@@ -22,7 +22,7 @@ Design choices:
   the ops run on the host, so `outside_kernels` is the time outside any op, the same as `python`.
 - Time: each job is given its share of what is left of --budget (compiled jobs weigh COMPILE_WEIGHT eager ones);
   eager rows run first, since compilation is what may run out of time. A job that fails or overruns its share says
-  so in its row, and the rest still run.
+  so in its row (an overrun keeps the timing windows it had logged), and the rest still run.
 - Data: offline. tinyshakespeare tokenized with GPT-2's BPE from `<shared>/tiktoken_cache` (--shared, else shared/
   in the checkout, else ../shared beside it), before the jobs, into the data cache every job then reads.
 - --tiny: a 2-layer model, float32, fewer steps, eager rows only (compiling on a CPU takes minutes): the logic.
@@ -51,9 +51,13 @@ ROOT = bench.ROOT
 MODELS = {"gpt_125m": 64, "gpt_350m": 32}
 # (parallel, impl, compile): eager first
 MODES = [(p, i, c) for c in (False, True) for p, i in (("single", None), ("fsdp", "scratch"), ("fsdp", "torch"))]
-COMPILE_WEIGHT = 3  # a compiled job's share of the budget, in eager jobs' (compiling a block and the loss: ~30-60 s)
+# A compiled job's share of the budget, in eager jobs'. Guessed, not yet measured: an eager job ~20 s (start, CUDA
+# and the model, 25 steps of 0.2-0.4 s, the trace); compiling adds one block's and the loss's graphs, training and
+# step 0's no-grad evaluation: ~30-60 s cold, less once Inductor's on-disk cache holds them (the later modes of a model).
+COMPILE_WEIGHT = 2.5
 MIN_SHARE = 10  # seconds: less than a job needs to start (torchrun, imports, the model, step 0's evaluation)
-STEPS = ["train.seq_len=1024", "train.max_steps=40", "train.log_every=10"]
+# 25 steps: the first window of 5 holds warm-up, compilation and the profiler (steps 2-4, written at 5); 4 after it
+STEPS = ["train.seq_len=1024", "train.max_steps=25", "train.log_every=5"]
 TINY = ["model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.block_size=32", "train.seq_len=32",
         "train.max_steps=6", "train.log_every=2", "train.dtype=float32"]
 CORPUS, TIKTOKEN = os.path.join("data", "tinyshakespeare.txt"), "tiktoken_cache"
@@ -131,15 +135,34 @@ def trace_shares(path):
             "python": 1 - union(host_ops, lo, hi) / wall}
 
 
+def cut_short(run_dir):
+    """A job stopped at its share: run_one's (first record, median tokens/s, last record) from the timing windows it
+    had logged after the first, and how many; None if it logged none."""
+    records = []
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except ValueError:  # the line it was writing when it was stopped
+                pass
+    windows = [r for r in records if "tok_per_s" in r][1:]
+    return ((records[0], statistics.median(r["tok_per_s"] for r in windows), windows[-1]), len(windows)) \
+        if windows else None
+
+
 def measure(result, run_dir, peak, measured):
-    """A row's numbers from run_one's (first record, median tokens/s, last record) and the job's trace."""
+    """A row's numbers from run_one's (first record, median tokens/s, last record) and the job's trace (none if it
+    was stopped before writing it)."""
     start, tok_s, last = result
+    try:
+        shares = trace_shares(os.path.join(run_dir, "trace.json"))
+    except (OSError, ValueError):
+        shares = dict.fromkeys(("outside_kernels", "launch", "sync", "python"))
     flops = start["flops_per_token"] * tok_s
     gb = lambda mb: None if mb is None else mb * 2**20 / 1e9  # noqa: E731
     return {"tok_per_s": tok_s, "mfu": flops / peak if peak else None, "mfu_vs_matmul": flops / measured,
             "step_ms": start["tokens_per_step"] / tok_s * 1e3, "peak_alloc_gb": gb(last["peak_mem_mb"]),
-            "peak_reserved_gb": gb(last.get("peak_reserved_mb")),
-            **trace_shares(os.path.join(run_dir, "trace.json"))}
+            "peak_reserved_gb": gb(last.get("peak_reserved_mb")), **shares}
 
 
 def markdown(rows):
@@ -149,12 +172,13 @@ def markdown(rows):
     table = []
     for r in rows:
         base = {"model": r["model"], "micro": r["micro"], "parallel": r["parallel"], "compile": r["compile"]}
-        if r["status"] != "ok":
+        if not r.get("tok_per_s"):
             table.append({**base, "tok_per_s": r["status"], **{k: "" for k in
                           ("MFU", "MFU_vs_matmul", "step_ms", "alloc_GB", "reserved_GB", "outside_kernels",
                            "launch", "sync", "python")}})
             continue
-        table.append({**base, "tok_per_s": f"{r['tok_per_s']:,.0f}", "MFU": pct(r["mfu"]),
+        table.append({**base, "tok_per_s": f"{r['tok_per_s']:,.0f}" + ("" if r["status"] == "ok" else
+                      f" ({r['status']})"), "MFU": pct(r["mfu"]),
                       "MFU_vs_matmul": pct(r["mfu_vs_matmul"]), "step_ms": num(r["step_ms"], ".1f"),
                       "alloc_GB": num(r["peak_alloc_gb"], ".1f"), "reserved_GB": num(r["peak_reserved_gb"], ".1f"),
                       **{k: pct(r[k]) for k in ("outside_kernels", "launch", "sync", "python")}})
@@ -218,6 +242,9 @@ def main(argv=None):
                                           run_dir, peak, measured), "ok"
             except (TimeoutError, subprocess.TimeoutExpired):
                 numbers, status = {}, f"out of time ({max(share, 0):.0f}s share)"
+                cut = cut_short(run_dir) if os.path.exists(os.path.join(run_dir, "metrics.jsonl")) else None
+                if cut:  # what it measured before its time ran out still counts
+                    numbers, status = measure(cut[0], run_dir, peak, measured), f"{status}, {cut[1]} windows"
             except (SystemExit, OSError, ValueError, KeyError, statistics.StatisticsError) as e:
                 numbers, status = {}, "failed: " + (str(e).strip().splitlines() or ["?"])[-1][:100]
             rows.append({"model": model, "micro": micro, "parallel": {"single": "single", "scratch": "fsdp (ours)",
