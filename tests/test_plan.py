@@ -256,12 +256,13 @@ def test_gpu_bench_logic_on_cpu(tmp_path, capsys):
 
 
 def test_gpu_bench_trace_shares(tmp_path):
-    """The overhead columns from a hand-made CUDA trace: steps 0-100 us; kernels busy 0-30 and 50-70 (one
-    overlapping the other, one past the steps' end), launches 10 us, a sync 20 us, ops covering 0-80 on two
-    threads."""
+    """The overhead columns from a hand-made CUDA trace: steps 0-100 us on the host (the GPU's annotation of a step
+    runs later and is not the window); kernels busy 0-30 and 50-70 (one overlapping another, one past the steps'
+    end), launches 10 us, a sync 20 us, ops covering 0-80 on two threads."""
     from tools import gpu_bench
     X = lambda name, cat, ts, dur, tid=1: {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "tid": tid}
     events = [X("ProfilerStep#2", "user_annotation", 0, 50), X("ProfilerStep#3", "user_annotation", 50, 50),
+              X("ProfilerStep#3", "gpu_user_annotation", 55, 60, 7),
               X("gemm", "kernel", 0, 30, 7), X("gemm", "kernel", 10, 10, 8), X("softmax", "kernel", 50, 20, 7),
               X("tail", "kernel", 95, 20, 7), X("cudaLaunchKernel", "cuda_runtime", 2, 4),
               X("cuLaunchKernel", "cuda_driver", 40, 6), X("cudaStreamSynchronize", "cuda_runtime", 20, 20),
@@ -357,3 +358,14 @@ def test_gpu_bench_bad_input_is_one_line(tmp_path, monkeypatch, args, message):
     text = str(e.value.code)
     assert text.startswith("error: ") and message in text and "\n" not in text, text
     assert os.listdir(tmp_path / "empty") == []  # nothing written before the checks
+
+
+def test_gpu_bench_names_missing_packages(tmp_path, monkeypatch):
+    """A GPU image may carry torch and little else: one line naming what train.py would fail to import."""
+    from tools import gpu_bench
+    monkeypatch.setattr(gpu_bench, "NEEDS", ("json", "no_such_package", "another_one"))
+    with pytest.raises(SystemExit) as e:
+        gpu_bench.main(["--out", str(tmp_path / "out"), "--device", "cpu", "--tiny"])
+    assert str(e.value.code) == "error: train.py's packages are missing here: no_such_package, another_one " \
+        "(requirements.txt)"
+    assert not (tmp_path / "out").exists()

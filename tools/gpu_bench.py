@@ -28,6 +28,7 @@ Design choices:
 - --tiny: a 2-layer model, float32, fewer steps, eager rows only (compiling on a CPU takes minutes): the logic.
 """
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -37,7 +38,6 @@ import tempfile
 import time
 
 import torch
-from hydra import compose, initialize_config_dir
 
 from tools import bench, plan
 
@@ -53,7 +53,7 @@ MODELS = {"gpt_125m": 64, "gpt_350m": 32}
 MODES = [(p, i, c) for c in (False, True) for p, i in (("single", None), ("fsdp", "scratch"), ("fsdp", "torch"))]
 # A compiled job's share of the budget, in eager jobs'. Guessed, not yet measured: an eager job ~20 s (start, CUDA
 # and the model, 25 steps of 0.2-0.4 s, the trace); compiling adds one block's and the loss's graphs, training and
-# step 0's no-grad evaluation: ~30-60 s cold, less once Inductor's on-disk cache holds them (the later modes of a model).
+# step 0's no-grad evaluation: ~30-60 s cold, less once Inductor's on-disk cache holds them (a model's later modes).
 COMPILE_WEIGHT = 2.5
 MIN_SHARE = 10  # seconds: less than a job needs to start (torchrun, imports, the model, step 0's evaluation)
 # 25 steps: the first window of 5 holds warm-up, compilation and the profiler (steps 2-4, written at 5); 4 after it
@@ -61,6 +61,7 @@ STEPS = ["train.seq_len=1024", "train.max_steps=25", "train.log_every=5"]
 TINY = ["model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.block_size=32", "train.seq_len=32",
         "train.max_steps=6", "train.log_every=2", "train.dtype=float32"]
 CORPUS, TIKTOKEN = os.path.join("data", "tinyshakespeare.txt"), "tiktoken_cache"
+NEEDS = ("hydra", "omegaconf", "wandb", "datasets", "tiktoken", "tqdm")  # what train.py and the data step import
 
 
 def matmul_flops(device, dtype, n=8192, iters=50):
@@ -92,6 +93,8 @@ def find_shared(given):
 def prepare_data(shared):
     """Tokenize the corpus, offline, in this process, into data.cache_dir ($NANOPARALLEL_CACHE or
     ~/.cache/nanoparallel; once per machine); the overrides that make every job read that cache."""
+    from hydra import compose, initialize_config_dir
+
     from data import prepare
     os.environ["TIKTOKEN_CACHE_DIR"] = os.path.join(shared, TIKTOKEN)  # the jobs inherit it
     data = ["data=text", f"data.paths=[{os.path.join(shared, CORPUS)}]", "data.tokenizer=gpt2",
@@ -116,7 +119,7 @@ def trace_shares(path):
     """From a torch.profiler Chrome trace: shares of the profiled steps' wall time (see the module's docstring)."""
     with open(path) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
-    steps = [e for e in events if e["name"].startswith("ProfilerStep#")]
+    steps = [e for e in events if e["name"].startswith("ProfilerStep#") and e.get("cat") == "user_annotation"]  # host
     lo, hi = min(e["ts"] for e in steps), max(e["ts"] + e["dur"] for e in steps)
     wall = hi - lo
 
@@ -202,6 +205,9 @@ def main(argv=None):
         sys.exit(f"error: --out {a.out} exists and is not an empty folder; name a new one")
     if a.budget <= 0:
         sys.exit(f"error: --budget {a.budget:g}: expected a positive number of seconds")
+    missing = [m for m in NEEDS if importlib.util.find_spec(m) is None]
+    if missing:  # a GPU image may carry torch and little else
+        sys.exit(f"error: train.py's packages are missing here: {', '.join(missing)} (requirements.txt)")
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: torch sees no CUDA device; `--device cpu --tiny --out DIR` checks the logic on a CPU")
     shared = find_shared(a.shared)
