@@ -1,6 +1,7 @@
 """The planner (tools/plan.py) against measurement: its state and comm per rank equal what real runs' counters
 record for every strategy at world sizes 1, 2 and 4; its activation count equals what autograd saves; the command
 prints a plan and a ranking, and turns bad input into one line."""
+import json
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import torch
 import config
 import parallel
 import train
-from conftest import ROOT, forked, make_cfg, read_metrics, small_corpus, small_run
+from conftest import ROOT, SHARED, forked, make_cfg, read_metrics, small_corpus, small_run
 from model import GPT, GPTConfig
 from tools import plan
 
@@ -231,26 +232,147 @@ def test_impossible_layouts():
     assert "does not divide the model's 16 heads" in plan.layout_problem(cfg, shape, 6, "tp", 6, cluster())
 
 
-def test_gpu_bench_logic_on_cpu(capsys):
-    """The GPU benchmark's path on a CPU: the matmul rate, one-rank torchrun jobs of parallel=single and fsdp, the
-    table. (No MFU against a datasheet: a CPU has none.)"""
-    from tools import gpu_bench
-    paths = "[" + ",".join(small_corpus()) + "]"
-    rows = gpu_bench.main(["--device", "cpu", "--tiny", "--", "data=text", f"data.paths={paths}",
-                           "data.vocab_size=512", "data.num_proc=1"])
-    assert [(r["model"], r["parallel"], r["compile"]) for r in rows] == [("gpt_tiny", "single", "no"),
-                                                                         ("gpt_tiny", "fsdp (1 rank)", "no")]
-    for r in rows:
-        assert float(r["tok_per_s"].replace(",", "")) > 0 and r["MFU"] == "-"
-        assert 0 < float(r["MFU_vs_matmul"].rstrip("%")) and float(r["step_ms"]) > 0
-    assert "| model | parallel | compile | tok_per_s | MFU | MFU_vs_matmul |" in capsys.readouterr().out
+needs_shared = pytest.mark.skipif(not os.path.isdir(os.path.join(SHARED, "tiktoken_cache")),
+                                  reason="needs ../shared (tinyshakespeare, tiktoken_cache)")
 
 
-def test_gpu_bench_stays_within_its_budget():
+@needs_shared
+def test_gpu_bench_logic_on_cpu(tmp_path, capsys):
+    """`python -m tools.gpu_bench --device cpu --tiny --out DIR`, the GPU benchmark's path on a CPU in under a
+    minute: the matmul rate, tinyshakespeare in GPT-2 tokens, one-rank torchrun jobs of single, our fsdp and FSDP2,
+    each profiled, the table and the JSON in DIR. (No MFU against a datasheet, no reserved memory: a CPU has none.)"""
     from tools import gpu_bench
     t0 = time.time()
-    rows = gpu_bench.main(["--device", "cpu", "--tiny", "--budget", "1"])
-    assert time.time() - t0 < 10 and [r["tok_per_s"] for r in rows] == ["out of time"] * 2
+    rows = gpu_bench.main(["--device", "cpu", "--tiny", "--out", str(tmp_path / "out")])
+    assert time.time() - t0 < 60
+    assert [(r["parallel"], r["status"]) for r in rows] == [("single", "ok"), ("fsdp (ours), 1 rank", "ok"),
+                                                            ("FSDP2, 1 rank", "ok")]
+    for r in rows:
+        assert r["tok_per_s"] > 0 and r["mfu"] is None and r["peak_reserved_gb"] is None
+        assert 0 < r["mfu_vs_matmul"] < 1 and r["step_ms"] > 0 and r["peak_alloc_gb"] > 0
+        # on a CPU the ops are the device's work: what lies outside them is the host's Python
+        assert 0 < r["outside_kernels"] == r["python"] < 1 and r["launch"] == r["sync"] == 0
+    saved = json.loads((tmp_path / "out" / "gpu_bench.json").read_text())
+    assert saved["rows"] == json.loads(json.dumps(rows)) and saved["device"] == "CPU"
+    md = (tmp_path / "out" / "gpu_bench.md").read_text()
+    assert "| model | micro | parallel | compile | tok_per_s | MFU | MFU_vs_matmul | step_ms | alloc_GB |" in md
+    assert md in capsys.readouterr().out
+
+
+def test_gpu_bench_trace_shares(tmp_path):
+    """The overhead columns from a hand-made CUDA trace: steps 0-100 us on the host (the GPU's annotation of a step
+    runs later and is not the window); kernels busy 0-30 and 50-70 (one overlapping another, one past the steps'
+    end), launches 10 us, a sync 20 us, ops covering 0-80 on two threads."""
+    from tools import gpu_bench
+    X = lambda name, cat, ts, dur, tid=1: {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "tid": tid}
+    events = [X("ProfilerStep#2", "user_annotation", 0, 50), X("ProfilerStep#3", "user_annotation", 50, 50),
+              X("ProfilerStep#3", "gpu_user_annotation", 55, 60, 7),
+              X("gemm", "kernel", 0, 30, 7), X("gemm", "kernel", 10, 10, 8), X("softmax", "kernel", 50, 20, 7),
+              X("tail", "kernel", 95, 20, 7), X("cudaLaunchKernel", "cuda_runtime", 2, 4),
+              X("cuLaunchKernel", "cuda_driver", 40, 6), X("cudaStreamSynchronize", "cuda_runtime", 20, 20),
+              X("aten::mm", "cpu_op", 0, 50), X("autograd::engine", "cpu_op", 45, 35, 2),
+              {"ph": "s", "name": "flow", "cat": "ac2g", "ts": 0}]
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": events}))
+    shares = gpu_bench.trace_shares(str(tmp_path / "trace.json"))
+    assert shares == pytest.approx({"outside_kernels": 0.45, "launch": 0.1, "sync": 0.2, "python": 0.2})
+
+
+def test_gpu_bench_budget_and_failures(tmp_path, monkeypatch):
+    """The GPU run's bookkeeping with the jobs faked: 12 rows, eager first; each job's timeout is its share of what
+    is left (a compiled job weighs COMPILE_WEIGHT eager ones); a failed job says why in its row and the rest still
+    run; a job stopped at its share keeps the windows it had logged after the first."""
+    from tools import gpu_bench
+    timeouts = []
+    start = {"step": 0, "flops_per_token": 1e9, "tokens_per_step": 65536}
+    window = lambda step, tok_s: {"step": step, "tok_per_s": tok_s, "peak_mem_mb": 1e3, "peak_reserved_mb": 2e3}  # noqa
+
+    def run_one(strategy, impl, world, overrides, run_dir, timeout):
+        timeouts.append(timeout)
+        compiled = "train.compile=true" in overrides
+        if impl == "torch" and compiled:
+            sys.exit("error: fsdp/torch failed:\nTraceback ...\nRuntimeError: no graph")
+        if impl is None and compiled and "model=gpt_350m" in overrides:  # stopped while writing its fourth window
+            os.makedirs(run_dir)
+            lines = [json.dumps(r) for r in (start, window(5, 1.0), window(10, 3e5), window(15, 5e5))]
+            with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+                f.write("\n".join(lines) + '\n{"step": 20, "lo')
+            raise subprocess.TimeoutExpired("torchrun", timeout)
+        return start, 4e5, window(25, 4e5)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA H200")
+    monkeypatch.setattr(gpu_bench, "matmul_flops", lambda *a, **k: 800e12)
+    monkeypatch.setattr(gpu_bench, "prepare_data", lambda shared: [])
+    monkeypatch.setattr(gpu_bench.bench, "run_one", run_one)
+    shared = tmp_path / "shared"
+    (shared / "data").mkdir(parents=True)
+    (shared / "data" / "tinyshakespeare.txt").write_text("First Citizen:")
+    (shared / "tiktoken_cache").mkdir()
+    rows = gpu_bench.main(["--out", str(tmp_path / "out"), "--budget", "480", "--shared", str(shared)])
+    assert [(r["model"], r["parallel"], r["compile"]) for r in rows[:3]] == [
+        ("gpt_125m", "single", "no"), ("gpt_350m", "single", "no"), ("gpt_125m", "fsdp (ours), 1 rank", "no")]
+    assert [r["compile"] for r in rows] == ["no"] * 6 + ["yes"] * 6
+    assert [r["status"][:7] for r in rows] == ["ok"] * 7 + ["out of "] + ["ok"] * 2 + ["failed:"] * 2
+    assert rows[-1]["status"] == "failed: RuntimeError: no graph" and "tok_per_s" not in rows[-1]
+    w = gpu_bench.COMPILE_WEIGHT
+    assert timeouts[0] == pytest.approx(480 / (6 + 6 * w), rel=0.01) and timeouts[6] == pytest.approx(80, rel=0.01)
+    cut = rows[7]
+    assert cut["status"].endswith("s share), 2 windows") and cut["tok_per_s"] == 4e5  # the median of 3e5, 5e5
+    assert cut["mfu"] == pytest.approx(1e9 * 4e5 / 989e12) and cut["peak_alloc_gb"] == pytest.approx(1e3 * 2**20 / 1e9)
+    assert cut["outside_kernels"] is None  # no trace
+    md = (tmp_path / "out" / "gpu_bench.md").read_text()
+    assert "| gpt_350m | 32 | FSDP2, 1 rank | yes | failed: RuntimeError: no graph |" in md
+    assert "| gpt_350m | 32 | single | yes | 400,000 (out of time (" in md
+
+
+@needs_shared
+def test_gpu_bench_stays_within_its_budget(tmp_path, monkeypatch):
+    """Too little budget for a job to start: none is launched. Jobs launched with less than they need: each is
+    killed at its share, and the run ends on time."""
+    from tools import gpu_bench
+    t0 = time.time()
+    rows = gpu_bench.main(["--device", "cpu", "--tiny", "--budget", "1", "--out", str(tmp_path / "a")])
+    assert time.time() - t0 < 10 and [r["status"][:11] for r in rows] == ["out of time"] * 3
+    assert all(r["seconds"] < 1 for r in rows)  # not launched
+    monkeypatch.setattr(gpu_bench, "MIN_SHARE", 0)
+    t0 = time.time()
+    rows = gpu_bench.main(["--device", "cpu", "--tiny", "--budget", "4", "--out", str(tmp_path / "b")])
+    assert time.time() - t0 < 10 and len(rows) == 3
+    assert all(r["status"].startswith("out of time") for r in rows), [r["status"] for r in rows]
+
+
+@pytest.mark.parametrize("args,message", [
+    ([], "--out DIR is required"),
+    (["--out", "{full}"], "exists and is not an empty folder"),
+    (["--out", "{empty}", "--budget", "0"], "--budget 0: expected a positive number"),
+    (["--out", "{empty}", "--shared", "{empty}"], "no data/tinyshakespeare.txt and tiktoken_cache/ in"),
+    (["--out", "{empty}"], "torch sees no CUDA device"),
+])
+def test_gpu_bench_bad_input_is_one_line(tmp_path, monkeypatch, args, message):
+    from tools import gpu_bench
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "gpu_bench.md").write_text("an earlier run")
+    (tmp_path / "empty").mkdir()
+    args = [x.format(full=tmp_path / "full", empty=tmp_path / "empty") for x in args]
+    if "--shared" in args:
+        args += ["--device", "cpu"]
+    with pytest.raises(SystemExit) as e:
+        gpu_bench.main(args)
+    text = str(e.value.code)
+    assert text.startswith("error: ") and message in text and "\n" not in text, text
+    assert os.listdir(tmp_path / "empty") == []  # nothing written before the checks
+
+
+def test_gpu_bench_names_missing_packages(tmp_path, monkeypatch):
+    """A GPU image may carry torch and little else: one line naming what train.py would fail to import."""
+    from tools import gpu_bench
+    monkeypatch.setattr(gpu_bench, "NEEDS", ("json", "no_such_package", "another_one"))
+    with pytest.raises(SystemExit) as e:
+        gpu_bench.main(["--out", str(tmp_path / "out"), "--device", "cpu", "--tiny"])
+    assert str(e.value.code) == "error: train.py's packages are missing here: no_such_package, another_one " \
+        "(requirements.txt)"
+    assert not (tmp_path / "out").exists()
 
 
 def test_peak_flops_by_exact_name(tmp_path):
