@@ -2,13 +2,15 @@
 collectives; a profiler trace shows DDP's first bucket all-reduce running while backward still runs."""
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import train
-from conftest import forked, make_cfg, read_metrics, small_run
+from conftest import ROOT, forked, make_cfg, read_metrics, small_run
 from data import shards
 from parallel.comm import CommCounter
 
@@ -178,7 +180,15 @@ def test_training_steps_run_compiled(tmp_path, single):
     record = json.load(open(out))
     jobs = [(s, small_run(*RUN, f"parallel={s}", "train.compile=true", *(["model.n_head=2"] if s == "tp" else [])),
              runs[s]) for s in COMPILED]
-    forked(2, lambda: compiled_jobs(jobs, out))
+    # fresh interpreters (torchrun), not forked ranks: inductor's compile workers don't survive a fork of a process
+    # that has compiled already (the forked ranks hung on a cold cache)
+    spec = str(tmp_path / "jobs.json")
+    with open(spec, "w") as f:
+        json.dump(jobs, f)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        os.path.abspath(__file__), spec, out], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     record.update(json.load(open(out)))
     for name, r in record.items():
         accum = read_metrics(runs[name])[0]["grad_accum"]
@@ -188,3 +198,8 @@ def test_training_steps_run_compiled(tmp_path, single):
         assert_same_steps(runs[name], single, rtol=1e-5)
         print(f"{name}: {r['frames']['ok']} frames compiled, largest loss gap to eager single "
               f"{float(((losses(runs[name]) - losses(single)).abs() / losses(single)).max()):.1e}")
+
+
+if __name__ == "__main__":  # one rank of the compiled jobs (test_training_steps_run_compiled starts them)
+    with open(sys.argv[1]) as f:
+        compiled_jobs(json.load(f), sys.argv[2])

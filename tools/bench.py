@@ -11,6 +11,7 @@ into a new folder under --out, with the ratio of each scratch implementation's t
 measured bytes to the ZeRO paper's.
 """
 import argparse
+import contextlib
 import csv
 import json
 import os
@@ -36,6 +37,17 @@ DEFAULTS = ["train.global_batch_size=32", "train.micro_batch_size=8", "train.max
             "logger.mode=disabled"]
 
 
+def _descendants(pid):
+    """Every process below `pid`, from /proc (Linux), children before their parents."""
+    out = []
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                for child in map(int, f.read().split()):
+                    out += _descendants(child) + [child]
+    return out
+
+
 def run_one(strategy, impl, world, overrides, run_dir, timeout=None):
     args = [*DEFAULTS, f"parallel={strategy}", *overrides, f"hydra.run.dir={run_dir}"]
     if impl:
@@ -49,7 +61,13 @@ def run_one(strategy, impl, world, overrides, run_dir, timeout=None):
     try:
         _, stderr = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
+        # torchrun's ranks may sit in sessions of their own: kill every descendant, found before any dies (an orphan
+        # rank would keep the pipes open, and communicate() would wait for it forever)
+        for pid in _descendants(p.pid) + [p.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
         p.communicate()
         raise
     if p.returncode:
