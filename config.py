@@ -124,6 +124,15 @@ class Data:
 
 
 @dataclass
+class DryRun:
+    world: Optional[int] = field(default=MISSING, metadata={"min": 1})
+    rank: int = at_least(0)
+    compute: str = choice("auto", "real", "fake")
+    steps: int = at_least(1)
+    memory_gb: float = above(0)
+
+
+@dataclass
 class Checkpoint:
     every: int = at_least(0)
     keep: int = at_least(0)
@@ -146,7 +155,7 @@ class Launcher:
 
 
 SCHEMA = {"train": Train, "parallel": Parallel, "model": Model, "optim": Optim, "data": Data,
-          "checkpoint": Checkpoint, "logger": Logger, "launcher": Launcher}
+          "checkpoint": Checkpoint, "logger": Logger, "launcher": Launcher, "dry_run": DryRun}
 KINDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a string"}
 
 
@@ -276,6 +285,18 @@ def check_parallel(p, world, model, seq_len, cpu_bf16=True, bf16=True, compile_=
                     "this CPU can't do; use parallel.param_dtype=float32")
     if p.param_dtype == "bfloat16" and not bf16:
         return "parallel.param_dtype=bfloat16: this device can't compute in bfloat16; use parallel.param_dtype=float32"
+    return None
+
+
+def check_dry_run(d, launcher, under_torchrun):
+    """The error message for a dry run (tools/dry_run.py) that can't start, or None. A dry run is one process that
+    plays one rank of d.world; it must never become a real multi-process run."""
+    if under_torchrun or launcher.nproc_per_node:
+        how = "torchrun" if under_torchrun else f"launcher.nproc_per_node={launcher.nproc_per_node}"
+        return (f"dry_run.world={d.world} plays one rank of {d.world} in this one process, but it was started with "
+                f"{how}; run `python train.py ... dry_run.world={d.world}` alone")
+    if not 0 <= d.rank < d.world:
+        return f"dry_run.rank={d.rank} is outside dry_run.world={d.world}: use a rank from 0 to {d.world - 1}"
     return None
 
 

@@ -163,7 +163,7 @@ def state_bytes(data):
     state, in bytes, padding included.
 
     Counted by storage, each at its own dtype's size, so a flat buffer that many views share counts once, and so
-    does its padding."""
+    does its padding. Sizes only: the same under fake tensors (tools/dry_run.py)."""
     inner = data.local_optimizer
     tensors = []
     for p in list(data.module.parameters()) + [p for g in inner.param_groups for p in g["params"]]:
@@ -174,5 +174,5 @@ def state_bytes(data):
     for t in tensors:
         if t is not None:
             st = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
-            storages[st.data_ptr()] = st.nbytes()
+            storages[st._cdata] = st.nbytes()  # the storage itself, not its address: fake tensors have none
     return sum(storages.values())
