@@ -195,8 +195,8 @@ def measure(cfg, rank, world, compute, device, dtype, accum, steps, on_step=None
                 model = GPT(mcfg)
             n_params = model.num_params()
             torch.manual_seed(t.seed)
-            par = parallel.parallelize(model, cfg.parallel, mesh, lambda m: train.make_optimizer(m, cfg.optim),
-                                       device, t)
+            p = config.resolved(cfg.parallel, dtype)  # param_dtype=auto made concrete, as train.py does
+            par = parallel.parallelize(model, p, mesh, lambda m: train.make_optimizer(m, cfg.optim), device, t)
             saved = SavedBytes(par.module)
             info = {"n_params": n_params, "world_size": world, "rank": rank, "dims": dict(par.dims),
                     "param_bytes": n_params * config.DTYPES[cfg.parallel.reduce_dtype].itemsize,
