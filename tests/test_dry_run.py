@@ -14,12 +14,14 @@ from config import ConfigError
 from tools import dry_run, plan
 
 # one micro-batch per data-parallel rank (no accumulation: under it torch's FSDP2 keeps units gathered between
-# micro-steps, which the planner, ours, does not; the small runs below accumulate); a fake step costs its op count
-GPT_1P3B = ["model=gpt_1p3b", "dry_run.world=64", "train.seq_len=64", "train.micro_batch_size=1", "dry_run.steps=1"]
+# micro-steps, which the planner, ours, does not; the small runs below accumulate); fake tensors (auto would compute
+# tp's 2.5 GB shards for real, slowly), whose step costs its op count
+GPT_1P3B = ["model=gpt_1p3b", "dry_run.world=64", "train.seq_len=64", "train.micro_batch_size=1", "dry_run.steps=1",
+            "dry_run.compute=fake"]
 # the 70B-class shape at world 512, with GPT-2's vocab as the README's table has it; a sequence of 256 (the
 # tensor-parallel bytes scale with it, the planner's and the counter's alike)
 GPT_70B = ["model=gpt_70b", "data=fineweb_edu", "dry_run.world=512", "train.seq_len=256", "train.micro_batch_size=1",
-           "dry_run.steps=1"]
+           "dry_run.steps=1", "dry_run.compute=fake"]
 # the layout's overrides, with a global batch of one sequence per data-parallel rank of 64 or 512
 LAYOUTS = {"ddp": [], "zero1": [], "zero2": [], "fsdp": [], "tp": ["parallel.tp=8"], "fsdp_tp": ["parallel.tp=8"]}
 
