@@ -71,7 +71,7 @@ class Parallel:
     dp: Optional[int] = at_least(1)
     tp: Optional[int] = at_least(1)
     data: str = choice(*DATA_STRATEGIES)
-    impl: str = choice("scratch", "torch")
+    impl: str = choice("scratch", "torch", "deepspeed")
     sequence_parallel: bool = MISSING
     bucket_mb: float = above(0)
     reduce_dtype: str = choice(*DTYPES)
@@ -227,6 +227,10 @@ def check_parallel(p, world, model, seq_len, cpu_bf16=True, bf16=True, compile_=
             return ("parallel.param_dtype=bfloat16 with parallel.data=zero1 has no torch twin "
                     "(ZeroRedundancyOptimizer steps the model's own weights); use parallel.impl=scratch, or "
                     "parallel=zero2 parallel.impl=torch (FSDP2's MixedPrecisionPolicy)")
+    if p.impl == "deepspeed":
+        problem = check_deepspeed(p, name, d["tp"], compile_)
+        if problem:
+            return problem
     if p.accumulate != "local" and (p.data != "zero2" or p.impl != "scratch"):
         return (f"parallel.accumulate={p.accumulate} reduce-scatters every micro-step into our ZeRO-2's gradient "
                 f"shard; parallel={name}{' impl=torch' if p.impl == 'torch' else ''} accumulates locally: use "
@@ -276,6 +280,27 @@ def check_parallel(p, world, model, seq_len, cpu_bf16=True, bf16=True, compile_=
                     "this CPU can't do; use parallel.param_dtype=float32")
     if p.param_dtype == "bfloat16" and not bf16:
         return "parallel.param_dtype=bfloat16: this device can't compute in bfloat16; use parallel.param_dtype=float32"
+    return None
+
+
+def check_deepspeed(p, name, tp, compile_):
+    """parallel.impl=deepspeed (parallel/zero_deepspeed.py): DeepSpeed's ZeRO stages, in float32, over dp alone."""
+    import importlib.util
+    if p.data not in ("zero1", "zero2", "fsdp"):
+        return (f"parallel.impl=deepspeed is DeepSpeed's ZeRO: parallel.data=zero1, zero2 or fsdp (its stage 3); "
+                f"parallel={name} has no DeepSpeed twin, use parallel.impl=scratch or torch")
+    if tp > 1:
+        return f"parallel.impl=deepspeed runs over data parallel alone; parallel.tp={tp}: use parallel.tp=1"
+    for key in ("param_dtype", "reduce_dtype"):
+        if p[key] != "float32":
+            return (f"parallel.{key}={p[key]} with parallel.impl=deepspeed: its twin runs in float32 here; use "
+                    f"parallel.{key}=float32")
+    if p.cpu_offload:
+        return "parallel.cpu_offload=true has no DeepSpeed twin here; use parallel.cpu_offload=false"
+    if compile_:
+        return "train.compile=true with parallel.impl=deepspeed: not wired; use train.compile=false"
+    if importlib.util.find_spec("deepspeed") is None:
+        return "parallel.impl=deepspeed needs DeepSpeed, which is not installed: pip install deepspeed==0.19.8"
     return None
 
 
