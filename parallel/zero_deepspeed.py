@@ -8,19 +8,22 @@ two weight-decay groups, betas and eps, is DeepSpeed's "client optimizer", stepp
 DeepSpeed makes of each group. The training loop is the same as for every other strategy: `loss.backward()` (which
 DeepSpeed 0.19 accepts in place of `engine.backward`), our clipping over the shards, then the step.
 
-What DeepSpeed keeps that ours does not: an fp32 master partition even in fp32. Its optimizer always steps a
-separate flat copy of this rank's slice of the weights ("single_partition_of_fp32_groups"), and copies the result
-back into the working ("bit16") weights, so in fp32 each stage holds 4P/N more than ours:
-  ZeRO-1  4P weights + 4P grads   + 4P/N master + 8P/N moments = 8P + 12P/N
-  ZeRO-2  4P weights + 4P/N grads + 4P/N master + 8P/N moments = 4P + 16P/N
-  ZeRO-3  4P/N weights + 4P/N grads + 4P/N master + 8P/N moments = 20P/N
-(measured from its own tensors, `state_tensors`; README, "DeepSpeed"). Its reduce buckets (reduce_bucket_size,
-the same MiB as our parallel.bucket_mb) are transient on top.
+What DeepSpeed keeps that ours does not: an fp32 master partition even in fp32. Its optimizer steps a separate
+flat copy of this rank's slice of the weights ("single_partition_of_fp32_groups"; ZeRO-3 "fp32_partitioned_groups_
+flat") and copies the result back into the working ("bit16") weights. Per rank, in fp32 (tests/test_data_parallel.py
+measures it from its own tensors, `state_tensors`):
+  kept across steps       ZeRO-1 and -2: 4P weights + 4P/N master + 8P/N moments = 4P + 12P/N
+                          ZeRO-3: 4P/N weights + 4P/N master + 8P/N moments = 16P/N
+  gradients, freed by its step (`transient_bytes`, what it holds at the step): 4P/N, this rank's partition. ZeRO-1
+    holds full gradients (4P) through backward until the boundary's reduction.
+So at its peak ZeRO-1 holds 8P + 12P/N (ours 8P + 8P/N), ZeRO-2 4P + 16P/N (ours 4P + 12P/N), ZeRO-3 20P/N (ours
+16P/N), plus its reduce buckets (reduce_bucket_size, the MiB of our parallel.bucket_mb).
 
-Communication per step, float32: ZeRO-1 and ZeRO-2 2 Psi, ZeRO-3 3 Psi, as ours. ZeRO-2 reduces every micro-step
-into its gradient partitions (accumulation x Psi of reduction, our parallel.accumulate=sharded); ZeRO-1 accumulates
-locally and reduces once per step. Its stage 1/2 reduction is a `dist.reduce` of each partition's slice to the rank
-that owns it: the same bytes as a reduce-scatter.
+Communication per step with accumulation A, float32, measured (Psi = 4P bytes): ZeRO-1 3 Psi, an all-reduce of the
+full gradients at the boundary and an all-gather of the weights (ours 2 Psi: a reduce-scatter instead); ZeRO-2
+(2A + 1) Psi, because it all-reduces each bucket at every micro-step and keeps its partition (ours 2 Psi, or A + 1
+with parallel.accumulate=sharded); ZeRO-3 3A Psi, gathering the weights in forward and again in backward of every
+micro-step and reduce-scattering every micro-step (ours 2A + 1).
 
 Accumulation: train.py's `no_sync()` for every micro-step but the last tells DeepSpeed it is not at an accumulation
 boundary (`set_gradient_accumulation_boundary(False)`); the last one is. DeepSpeed's own gradient_accumulation_steps
@@ -65,10 +68,13 @@ def ds_config(p, stage):
         "gradient_accumulation_steps": 1,  # train.py scales each micro-batch's loss itself
         "gradient_clipping": 0.0,  # train.py clips, over the gradient partitions (grad_pieces)
         "zero_allow_untested_optimizer": True,  # torch's AdamW, ours, rather than DeepSpeed's fused ones
+        # its defaults otherwise (contiguous gradients; overlap_comm for stage 3 only), as a user would run it
         "zero_optimization": {
             "stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
-            "overlap_comm": False, "contiguous_gradients": stage == 3,
-            "stage3_prefetch_bucket_size": bucket, "stage3_param_persistence_threshold": 0,
+            "stage3_prefetch_bucket_size": bucket,
+            # every parameter partitioned, as in our FSDP (its default keeps those under 1e5 elements whole on
+            # every rank: here, all of a tiny model's norm gains and more)
+            "stage3_param_persistence_threshold": 0,
         },
         "steps_per_print": 2 ** 31, "wall_clock_breakdown": False,
     }
@@ -152,8 +158,9 @@ class DeepSpeedZero(DataParallel):
         return out
 
     def state_tensors(self):
-        # what DeepSpeed keeps across steps: working weights (flat, whole in stages 1 and 2, a partition in 3), and
-        # the fp32 master partition the optimizer steps (its moments are the optimizer's state)
+        # what DeepSpeed keeps across steps: working weights (flat, whole in stages 1 and 2, a partition in 3: ZeRO-3's
+        # parameters themselves are empty), and the fp32 master partition the optimizer steps (its moments are the
+        # optimizer's state). Counted by storage, so what the parameters and param_groups also point at counts once
         z = self.zero
         if self.stage < 3:
             return [*z.bit16_groups_flat, *z.single_partition_of_fp32_groups]
