@@ -215,7 +215,8 @@ def layout_name(p, world):
 
 # the strategies whose weights on a rank are a working copy apart from the float32 master (ours: zero1, zero2,
 # fsdp; torch's: FSDP2's MixedPrecisionPolicy, for zero2 and fsdp). The others compute with the master weights.
-WORKING_COPY = {"scratch": ("zero1", "zero2", "fsdp"), "torch": ("zero2", "fsdp")}
+# DeepSpeed's: none (its bf16 mode is not wired; its working weights stay float32, beside its fp32 master).
+WORKING_COPY = {"scratch": ("zero1", "zero2", "fsdp"), "torch": ("zero2", "fsdp"), "deepspeed": ()}
 
 
 def working_dtype(param_dtype, data, impl, dtype):
