@@ -175,7 +175,7 @@ def main():
             f"+ 1) Psi for fsdp; state 16P, 8P+8P/N, 4P+12P/N, 16P/N; tp and fsdp_tp: the planner's activation "
             f"volumes and 16 P_local (/dp). deepspeed rows: state is what it keeps across steps, weights + its fp32 "
             f"master partition + moments (4P + 12P/N; 16P/N for ZeRO-3, fsdp), transient the gradients it holds at the "
-            f"step (4P for ZeRO-1, 4P/N for 2 and 3); vs_torch is against the same strategy's torch row. peak_MiB: rank 0's "
+            f"step (4P/N; ZeRO-1 holds 4P through backward); vs_torch is against the same strategy's torch row. peak_MiB: rank 0's "
             f"peak RSS above what it held before the model was built. Overrides: {' '.join(a.overrides) or '(none)'}; "
             f"{a.rounds} round(s).")
     text = markdown(rows) + ("\n\n" + markdown(knob_rows) if knob_rows else "") + "\n\n" + note
