@@ -71,7 +71,7 @@ class Parallel:
     dp: Optional[int] = at_least(1)
     tp: Optional[int] = at_least(1)
     data: str = choice(*DATA_STRATEGIES)
-    impl: str = choice("scratch", "torch")
+    impl: str = choice("scratch", "torch", "deepspeed")
     sequence_parallel: bool = MISSING
     bucket_mb: float = above(0)
     reduce_dtype: str = choice(*DTYPES)
@@ -224,7 +224,8 @@ def layout_name(p, world):
 
 # the strategies whose weights on a rank are a working copy apart from the float32 master (ours: zero1, zero2,
 # fsdp; torch's: FSDP2's MixedPrecisionPolicy, for zero2 and fsdp). The others compute with the master weights.
-WORKING_COPY = {"scratch": ("zero1", "zero2", "fsdp"), "torch": ("zero2", "fsdp")}
+# DeepSpeed's: none (its bf16 mode is not wired; its working weights stay float32, beside its fp32 master).
+WORKING_COPY = {"scratch": ("zero1", "zero2", "fsdp"), "torch": ("zero2", "fsdp"), "deepspeed": ()}
 
 
 def working_dtype(param_dtype, data, impl, dtype):
@@ -259,6 +260,10 @@ def check_parallel(p, world, model, seq_len, cpu_bf16=True, bf16=True, compile_=
             return ("parallel.param_dtype=bfloat16 with parallel.data=zero1 has no torch twin "
                     "(ZeroRedundancyOptimizer steps the model's own weights); use parallel.impl=scratch, or "
                     "parallel=zero2 parallel.impl=torch (FSDP2's MixedPrecisionPolicy)")
+    if p.impl == "deepspeed":
+        problem = check_deepspeed(p, name, d["tp"], compile_)
+        if problem:
+            return problem
     if p.accumulate != "local" and (p.data != "zero2" or p.impl != "scratch"):
         return (f"parallel.accumulate={p.accumulate} reduce-scatters every micro-step into our ZeRO-2's gradient "
                 f"shard; parallel={name}{' impl=torch' if p.impl == 'torch' else ''} accumulates locally: use "
@@ -320,6 +325,27 @@ def check_dry_run(d, launcher, under_torchrun):
                 f"{how}; run `python train.py ... dry_run.world={d.world}` alone")
     if not 0 <= d.rank < d.world:
         return f"dry_run.rank={d.rank} is outside dry_run.world={d.world}: use a rank from 0 to {d.world - 1}"
+    return None
+
+
+def check_deepspeed(p, name, tp, compile_):
+    """parallel.impl=deepspeed (parallel/zero_deepspeed.py): DeepSpeed's ZeRO stages, in float32, over dp alone."""
+    import importlib.util
+    if p.data not in ("zero1", "zero2", "fsdp"):
+        return (f"parallel.impl=deepspeed is DeepSpeed's ZeRO: parallel.data=zero1, zero2 or fsdp (its stage 3); "
+                f"parallel={name} has no DeepSpeed twin, use parallel.impl=scratch or torch")
+    if tp > 1:
+        return f"parallel.impl=deepspeed runs over data parallel alone; parallel.tp={tp}: use parallel.tp=1"
+    for key in ("param_dtype", "reduce_dtype"):
+        if p[key] != "float32":
+            return (f"parallel.{key}={p[key]} with parallel.impl=deepspeed: its twin runs in float32 here; use "
+                    f"parallel.{key}=float32")
+    if p.cpu_offload:
+        return "parallel.cpu_offload=true has no DeepSpeed twin here; use parallel.cpu_offload=false"
+    if compile_:
+        return "train.compile=true with parallel.impl=deepspeed: not wired; use train.compile=false"
+    if importlib.util.find_spec("deepspeed") is None:
+        return "parallel.impl=deepspeed needs DeepSpeed, which is not installed: pip install deepspeed==0.19.8"
     return None
 
 
