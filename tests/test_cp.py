@@ -1,0 +1,133 @@
+"""Context parallelism (parallel/cp.py): ring and all-gather attention equal to single-process training alone and
+composed with data and tensor parallel, the ring's attention against plain causal attention, the zig-zag split's
+balance, and communication counted hop by hop against the formulas."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import RUN, assert_same_steps, assert_same_weights, forked, make_cfg, read_metrics, small_run, \
+    torchrun_jobs
+from parallel import cp
+
+L, D = 2, 64  # small_run's model: layers, width
+# (case id, world, overrides); the world-4 cases share one launch, the world-2 ones another
+CASES = [
+    ("cp2-ring", 2, ["parallel=cp"]),
+    ("cp2-allgather", 2, ["parallel=cp", "parallel.cp_method=allgather"]),
+    ("cp4-ring", 4, ["parallel=cp"]),
+    ("cp4-allgather", 4, ["parallel=cp", "parallel.cp_method=allgather"]),
+    ("cp2-ddp2", 4, ["parallel=ddp", "parallel.cp=2"]),
+    ("cp2-fsdp2-allgather", 4, ["parallel=fsdp", "parallel.cp=2", "parallel.cp_method=allgather"]),
+    ("cp2-tp2", 4, ["parallel=cp", "parallel.cp=2", "parallel.tp=2"]),
+]
+IDS = [c[0] for c in CASES]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{case id: run dir}: every case, in one torchrun launch per world size."""
+    root = tmp_path_factory.mktemp("cp")
+    dirs = {case: str(root / case) for case in IDS}
+    for world in (2, 4):
+        torchrun_jobs(world, [(dirs[c], small_run(*RUN, *o)) for c, w, o in CASES if w == world])
+    return dirs
+
+
+def kv_bytes(run):
+    """Bytes of one rank's K and V for one micro-batch at one layer: 2 x micro-batch x (T / cp) x (d / tp) x 4 (its
+    own tokens, its own heads)."""
+    t = 64 // run["cp"]  # small_run's seq_len
+    return 2 * 2 * t * (D // run["tp"]) * 4  # RUN's micro-batches of 2 sequences, float32
+
+
+@pytest.mark.parametrize("case", IDS)
+def test_equal_to_single(runs, single, case):
+    run_dir = runs[case]
+    assert_same_steps(run_dir, single)
+    assert_same_weights(run_dir, single)
+    world, overrides = CASES[IDS.index(case)][1:]
+    first, last = read_metrics(run_dir)[0], read_metrics(run_dir)[-1]
+    cp_size = 2 if "cp2" in case else 4
+    assert (first["cp"], first["dp"] * first["cp"] * first["tp"]) == (cp_size, world)
+    # communication per step on the cp dimension, every micro-step, every layer (parallel/cp.py's docstring)
+    micro = first["grad_accum"]
+    kv, hops = kv_bytes(first), cp_size - 1
+    if "allgather" in case:
+        expected = {"comm_cp_all_gather": micro * L * cp_size * kv, "comm_cp_reduce_scatter": micro * L * cp_size * kv}
+    else:  # each hop is a send and a receive of kv: forward K, V; backward K, V and dK, dV
+        expected = {"comm_cp_p2p": micro * L * 2 * hops * (kv + 2 * kv)}
+    got = {k: v for k, v in last.items() if k.startswith("comm_cp_")}
+    assert got == expected, (got, expected)
+    # the gradients are reduced over dp x cp, as over dp alone: DDP's one all-reduce, 2 Psi
+    if first["parallel"] == "cp":
+        assert last["comm_dp_cp_all_reduce"] == 2 * first["param_bytes"]
+
+
+# --- the ring's attention against plain causal attention, forward and backward, on forked ranks
+def _ring_worker(method, T=32):
+    from model import causal_attention
+    dist.init_process_group("gloo")
+    n, r = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, T, 8, requires_grad=True) for _ in range(3))
+    y = causal_attention(q, k, v)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    pos = cp.zigzag_positions(T, n, r)
+    ql, kl, vl = (t.detach()[:, :, pos].clone().requires_grad_(True) for t in (q, k, v))
+    yl = cp.RingAttention.apply(ql, kl, vl, None) if method == "ring" else cp.allgather_attention(ql, kl, vl, None, T)
+    yl.backward(dy[:, :, pos])
+    for got, ref in ((yl, y), (ql.grad, q.grad), (kl.grad, k.grad), (vl.grad, v.grad)):
+        torch.testing.assert_close(got, ref[:, :, pos], rtol=1e-5, atol=1e-6)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("method", ["ring", "allgather"])
+def test_attention_equals_causal(method, world):
+    forked(world, lambda: _ring_worker(method))
+
+
+# --- balance: (query, key) pairs per rank
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_zigzag_balance(n, T=1024):
+    zigzag = [cp.causal_pairs(cp.zigzag_positions(T, n, r)) for r in range(n)]
+    plain = [cp.causal_pairs(cp.plain_positions(T, n, r)) for r in range(n)]
+    assert sum(zigzag) == sum(plain) == T * (T + 1) // 2  # every causal pair computed once, by some rank
+    print(f"\ncp={n}: zig-zag pairs per rank {zigzag} (max/min {max(zigzag) / min(zigzag):.3f}); "
+          f"plain split {plain} (max/min {max(plain) / min(plain):.2f})")
+    assert max(zigzag) <= 1.1 * min(zigzag)
+    assert max(plain) > 2 * min(plain)  # the imbalance zig-zag removes: the last rank's queries see the most keys
+    # what the ring actually computes per rank is the same: its blocks (cp.block) hold exactly those pairs
+    chunk = T // (2 * n)
+    for r in range(n):
+        pos = cp.zigzag_positions(T, n, r)
+        computed = 0
+        for s in range(n):
+            src = (r - s) % n
+            qs, ks, causal = cp.block(r, src, chunk)
+            qp, kp = pos[qs], cp.zigzag_positions(T, n, src)[ks]
+            seen = qp[:, None] >= kp[None, :]
+            assert seen.all() or causal  # an unmasked block holds only pairs the causal mask keeps
+            computed += int(seen.sum())
+            if causal:
+                assert torch.equal(seen, torch.ones_like(seen).tril())
+        assert computed == zigzag[r]
+
+
+# --- bad input: one line, before any work
+@pytest.mark.parametrize("overrides,world,message", [
+    (["parallel=cp", "train.seq_len=60"], 4, "splits each sequence into 2 x cp = 8 equal chunks"),
+    (["parallel=cp", "parallel.cp=3"], 4, "parallel.cp=3 x parallel.tp=1 = 3 must divide the number of ranks (4)"),
+    (["parallel=cp", "parallel.cp_method=striped"], 2, "parallel.cp_method='striped': expected ring or allgather"),
+    (["parallel=cp", "parallel.data=none"], 2, "needs a data-parallel strategy"),
+    (["parallel=cp", "train.compile=true"], 2, "train.compile=true with parallel.cp > 1"),
+    (["parallel=cp", "parallel.cp=2", "parallel.tp=4", "parallel.sequence_parallel=true", "model.n_head=4",
+      "train.seq_len=12", "model.block_size=12"], 8, "splits each cp rank's 6 tokens over the 4 tp ranks"),
+])
+def test_bad_input(overrides, world, message):
+    import config
+    with pytest.raises(config.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        config.check(make_cfg(*small_run(*overrides)), world)
