@@ -313,6 +313,11 @@ def check_cp(p, cp, tp, seq_len, compile_):
     if p.sequence_parallel and tp > 1 and (seq_len // cp) % tp:
         return (f"parallel.sequence_parallel=true splits each cp rank's {seq_len // cp} tokens over the {tp} tp "
                 f"ranks, but {seq_len // cp} is not divisible by {tp}")
+    if p.impl == "torch":
+        return ("parallel.impl=torch with parallel.cp > 1: torch's context_parallel is GPU-only (it shards the CUDA "
+                "attention kernels; on the CPU: NotImplementedError: Operator "
+                "aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy "
+                "registered); use parallel.impl=scratch")
     if compile_:
         return ("train.compile=true with parallel.cp > 1: the ring's sends and receives would run inside the "
                 "compiled blocks, where they can't overlap or be counted; use train.compile=false")

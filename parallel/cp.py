@@ -206,7 +206,7 @@ class GatherKV(torch.autograd.Function):
     def forward(ctx, kv, group):
         ctx.group, n = group, dist.get_world_size(group)
         out = torch.empty((n * kv.size(0),) + kv.shape[1:], dtype=kv.dtype, device=kv.device)
-        dist.all_gather_into_tensor(out, kv.contiguous(), group=group)
+        dist.all_gather_single(out, kv.contiguous(), group=group)
         return out.view(n, *kv.shape)
 
     @staticmethod
@@ -214,7 +214,7 @@ class GatherKV(torch.autograd.Function):
         grad = grad.reshape((-1,) + grad.shape[2:]).contiguous()
         out = torch.empty((grad.size(0) // dist.get_world_size(ctx.group),) + grad.shape[1:], dtype=grad.dtype,
                           device=grad.device)
-        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+        dist.reduce_scatter_single(out, grad, group=ctx.group)
         return out, None
 
 

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from conftest import RUN, assert_same_steps, assert_same_weights, forked, make_cfg, read_metrics, small_run, \
     torchrun_jobs
 from parallel import cp
+from tools import plan
 
 L, D = 2, 64  # small_run's model: layers, width
 # (case id, world, overrides); the world-4 cases share one launch, the world-2 ones another
@@ -60,6 +61,11 @@ def test_equal_to_single(runs, single, case):
         expected = {"comm_cp_p2p": micro * L * 2 * hops * (kv + 2 * kv)}
     got = {k: v for k, v in last.items() if k.startswith("comm_cp_")}
     assert got == expected, (got, expected)
+    # and the planner's every collective by dimension, from the run's own config, within 2%
+    predicted = plan.predict_run(run_dir)["comm"]
+    assert predicted, "the planner predicts no communication"
+    for (dim, kind), v in predicted.items():
+        assert last[f"comm_{dim}_{kind}"] == pytest.approx(v, rel=0.02), (dim, kind)
     # the gradients are reduced over dp x cp, as over dp alone: DDP's one all-reduce, 2 Psi
     if first["parallel"] == "cp":
         assert last["comm_dp_cp_all_reduce"] == 2 * first["param_bytes"]
@@ -124,6 +130,7 @@ def test_zigzag_balance(n, T=1024):
     (["parallel=cp", "parallel.cp_method=striped"], 2, "parallel.cp_method='striped': expected ring or allgather"),
     (["parallel=cp", "parallel.data=none"], 2, "needs a data-parallel strategy"),
     (["parallel=cp", "train.compile=true"], 2, "train.compile=true with parallel.cp > 1"),
+    (["parallel=cp", "parallel.impl=torch"], 2, "torch's context_parallel is GPU-only"),
     (["parallel=cp", "parallel.cp=2", "parallel.tp=4", "parallel.sequence_parallel=true", "model.n_head=4",
       "train.seq_len=12", "model.block_size=12"], 8, "splits each cp rank's 6 tokens over the 4 tp ranks"),
 ])
