@@ -93,7 +93,7 @@ def main():
         for method in (["ring", "allgather"] if cp > 1 else ["-"]):
             n = measure(cp, method if cp > 1 else "ring", seq_len=args.seq_len)
             base = base or n
-            predicted = plan.cp_activation_bytes(shape, 1, args.seq_len, 4, cp, method if cp > 1 else "ring")
+            predicted = plan.cp_activation_bytes(shape, 1, args.seq_len, 4, cp, method if cp > 1 else "ring")[0]
             print(f"| {cp} | {method} | {n / 2**20:.1f} | {n / base:.3f} | {predicted / 2**20:.1f} |", flush=True)
 
 
