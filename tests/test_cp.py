@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import RUN, assert_same_steps, assert_same_weights, forked, make_cfg, read_metrics, small_run, \
-    torchrun_jobs
+from conftest import RUN, assert_same_steps, assert_same_weights, forked, job_output, make_cfg, read_metrics, \
+    small_run, torchrun_jobs
 from parallel import cp
 from tools import plan
 
@@ -23,7 +23,7 @@ CASES = [
     # also a checkpoint at step 3, which RESUME reads under another layout
     ("cp2-fsdp2-allgather", 4, ["parallel=fsdp", "parallel.cp=2", "parallel.cp_method=allgather",
                                 "checkpoint.every=3"]),
-    ("cp2-tp2", 4, ["parallel=cp", "parallel.cp=2", "parallel.tp=2"]),
+    ("cp2-tp2", 4, ["parallel=cp", "parallel.cp=2", "parallel.tp=2", "train.sample_tokens=8"]),  # and samples
 ]
 IDS = [c[0] for c in CASES]
 # FSDP over dp 2 x cp 2's step-3 checkpoint, resumed by the ring at cp 4 with DDP (the world-4 launch's last job)
@@ -38,7 +38,8 @@ def runs(tmp_path_factory):
     resume = [o.replace("RUN", dirs["cp2-fsdp2-allgather"]) for o in RESUME]
     for world in (2, 4):
         jobs = [(dirs[c], small_run(*RUN, *o)) for c, w, o in CASES if w == world]
-        torchrun_jobs(world, jobs + ([(dirs["resume"], small_run(*RUN, *resume))] if world == 4 else []))
+        launch = torchrun_jobs(world, jobs + ([(dirs["resume"], small_run(*RUN, *resume))] if world == 4 else []))
+    dirs["sample"] = job_output(launch, dirs["cp2-tp2"])  # sampling runs whole sequences, plain attention
     return dirs
 
 
@@ -58,6 +59,10 @@ def test_equal_to_single(runs, single, case):
     first, last = read_metrics(run_dir)[0], read_metrics(run_dir)[-1]
     cp_size = 2 if "cp2" in case else 4
     assert (first["cp"], first["dp"] * first["cp"] * first["tp"]) == (cp_size, world)
+    if first["dp"] == 1:  # the cp ranks of one dp group evaluate the very batches one process does
+        assert last["val_loss"] == pytest.approx(read_metrics(single)[-1]["val_loss"], rel=1e-5)
+    if case == "cp2-tp2":
+        assert "--- sample ---" in runs["sample"]
     # communication per step on the cp dimension, every micro-step, every layer (parallel/cp.py's docstring)
     micro = first["grad_accum"]
     kv, hops = kv_bytes(first), cp_size - 1
