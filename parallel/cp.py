@@ -23,13 +23,13 @@ tokens. Attention needs every earlier token's key and value, and that is all tha
   block they belong to; after cp - 1 hops each accumulator is back at its owner. Saved for backward: q, k, v, the
   output and lse, O(T/cp) per rank; each block's scores are recomputed (flash attention's backward).
 
-  All-gather (`parallel.cp_method=allgather`). One all-gather of K, V per layer; each rank's queries attend to the
-  whole sequence under a mask built from global positions; backward reduce-scatters dK, dV. Simpler, and the
-  all-gather of the next layer can't start early, but K, V are small beside the queries under grouped-query
-  attention: Llama 3's choice.
+  All-gather (`parallel.cp_method=allgather`). One all-gather of K, V per layer, then the ring's blocks over the
+  gathered K, V; backward reduce-scatters dK, dV. Nothing overlaps it and it keeps the whole sequence's K, V for
+  backward, but it is one collective a layer, and K, V are small beside the queries under grouped-query attention:
+  Llama 3's choice.
 
-  Memory per rank: activations of T/cp tokens (1/cp of one process's); the ring holds two K, V blocks at a time, the
-  all-gather the whole sequence's K, V for one layer. This file computes each block's scores explicitly,
+  Memory per rank: activations of T/cp tokens (1/cp of one process's); the ring holds two K, V blocks at a time;
+  the all-gather keeps the whole sequence's K, V in every layer for backward. This file computes each block's scores explicitly,
   (B, H, 2C, 2C) floats at a time, where a flash kernel would keep tiles.
   Communication per layer and step (bytes of K and V of one rank, kv = 2 B (T/cp) d x element size):
     ring       forward (cp - 1) hops of kv; backward (cp - 1) of kv and (cp - 1) of dK, dV (float32). Each hop is a
@@ -46,7 +46,6 @@ The torch twin, torch.distributed.tensor.experimental.context_parallel, is at th
 """
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from model import causal_attention
 from parallel import comm
@@ -135,12 +134,30 @@ class Ring:
             w.wait()
 
 
+def forward_block(q32, kv, rank, src, out, lse):
+    """Fold this rank's queries' attention to rank src's K, V (kv: (2, B, H, 2C, D)) into (out, lse)."""
+    qs, ks, causal = block(rank, src, q32.size(2) // 2)
+    out_b, lse_b = attention_block(q32[:, :, qs], kv[0][:, :, ks].float(), kv[1][:, :, ks].float(), causal)
+    merge(out[:, :, qs], lse[:, :, qs], out_b, lse_b)
+
+
+def backward_block(q32, kv, dout, lse, delta, rank, src, dq):
+    """Add this block's part of dq into dq; return its part of rank src's dK, dV, (2, B, H, 2C, D) float32."""
+    qs, ks, causal = block(rank, src, q32.size(2) // 2)
+    dq_b, dk_b, dv_b = attention_block_backward(q32[:, :, qs], kv[0][:, :, ks].float(), kv[1][:, :, ks].float(),
+                                                dout[:, :, qs], lse[:, :, qs], delta[:, :, qs], causal)
+    dq[:, :, qs] += dq_b
+    g = torch.zeros_like(kv, dtype=torch.float32)
+    g[0][:, :, ks], g[1][:, :, ks] = dk_b, dv_b
+    return g
+
+
 class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's zig-zag queries to the whole sequence's keys; q, k, v (B, H, 2C, D)."""
 
     @staticmethod
     def forward(ctx, q, k, v, group):
-        ring, chunk = Ring(group), q.size(2) // 2
+        ring = Ring(group)
         with torch.autocast(q.device.type, enabled=False):
             q32 = q.float()
             kv = torch.stack([k, v])  # one message per hop, in the activations' dtype
@@ -149,10 +166,7 @@ class RingAttention(torch.autograd.Function):
             for s in range(ring.size):
                 if s + 1 < ring.size:  # the next block travels while this one is computed
                     incoming, works = ring.pass_on(kv)
-                qs, ks, causal = block(ring.rank, (ring.rank - s) % ring.size, chunk)
-                out_b, lse_b = attention_block(q32[:, :, qs], kv[0][:, :, ks].float(), kv[1][:, :, ks].float(),
-                                               causal)
-                merge(out[:, :, qs], lse[:, :, qs], out_b, lse_b)
+                forward_block(q32, kv, ring.rank, (ring.rank - s) % ring.size, out, lse)
                 if s + 1 < ring.size:
                     ring.wait(works)
                     kv = incoming
@@ -163,7 +177,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, chunk = Ring(ctx.group), q.size(2) // 2
+        ring = Ring(ctx.group)
         n, rank = ring.size, ring.rank
         q32, dout = q.float(), dout.float()
         delta = (dout * out).sum(-1)
@@ -173,13 +187,7 @@ class RingAttention(torch.autograd.Function):
         for s in range(n):
             if s + 1 < n:
                 incoming, works = ring.pass_on(kv)
-            qs, ks, causal = block(rank, (rank - s) % n, chunk)
-            k_b, v_b = kv[0][:, :, ks].float(), kv[1][:, :, ks].float()
-            dq_b, dk_b, dv_b = attention_block_backward(q32[:, :, qs], k_b, v_b, dout[:, :, qs], lse[:, :, qs],
-                                                        delta[:, :, qs], causal)
-            dq[:, :, qs] += dq_b
-            g = torch.zeros_like(kv, dtype=torch.float32)  # this rank's part of dK, dV of the block it holds
-            g[0][:, :, ks], g[1][:, :, ks] = dk_b, dv_b
+            g = backward_block(q32, kv, dout, lse, delta, rank, (rank - s) % n, dq)  # of the block held
             if s == 0:
                 own = g  # kept here; the other ranks' parts come back round the ring at the end
             else:
@@ -198,34 +206,39 @@ class RingAttention(torch.autograd.Function):
 
 
 # --- all-gather
-class GatherKV(torch.autograd.Function):
-    """(2, B, H, 2C, D) stacked K, V on each rank -> (cp, 2, B, H, 2C, D) from every rank; backward sums each
-    rank's gradient pieces back to it (a reduce-scatter)."""
+class AllGatherAttention(torch.autograd.Function):
+    """The same blocks as the ring's, with every rank's K, V gathered at once (one all-gather) instead of passed
+    round; backward sums each rank's dK, dV pieces back to it (one reduce-scatter). Saves the gathered K, V."""
 
     @staticmethod
-    def forward(ctx, kv, group):
-        ctx.group, n = group, dist.get_world_size(group)
-        out = torch.empty((n * kv.size(0),) + kv.shape[1:], dtype=kv.dtype, device=kv.device)
-        dist.all_gather_single(out, kv.contiguous(), group=group)
-        return out.view(n, *kv.shape)
+    def forward(ctx, q, k, v, group):
+        n, rank = dist.get_world_size(group), dist.get_rank(group)
+        with torch.autocast(q.device.type, enabled=False):
+            kv = torch.stack([k, v])
+            gathered = torch.empty((n * 2,) + kv.shape[1:], dtype=kv.dtype, device=kv.device)
+            dist.all_gather_single(gathered, kv, group=group)
+            gathered = gathered.view(n, *kv.shape)  # rank r's K, V at [r]
+            q32 = q.float()
+            out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+            for s in range(n):  # the ring's order, so the merge rounds alike
+                src = (rank - s) % n
+                forward_block(q32, gathered[src], rank, src, out, lse)
+        ctx.save_for_backward(q, gathered, out, lse)
+        ctx.group = group
+        return out.to(q.dtype)
 
     @staticmethod
-    def backward(ctx, grad):
-        grad = grad.reshape((-1,) + grad.shape[2:]).contiguous()
-        out = torch.empty((grad.size(0) // dist.get_world_size(ctx.group),) + grad.shape[1:], dtype=grad.dtype,
-                          device=grad.device)
-        dist.reduce_scatter_single(out, grad, group=ctx.group)
-        return out, None
-
-
-def allgather_attention(q, k, v, group, seq_len):
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
-    B, H, _, D = k.shape
-    kv = GatherKV.apply(torch.stack([k, v]), group)  # (n, 2, B, H, 2C, D)
-    k_all, v_all = (kv[:, i].permute(1, 2, 0, 3, 4).reshape(B, H, -1, D) for i in (0, 1))
-    q_pos = zigzag_positions(seq_len, n, rank, q.device)
-    k_pos = torch.cat([zigzag_positions(seq_len, n, r, q.device) for r in range(n)])
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=q_pos[:, None] >= k_pos[None, :])
+    def backward(ctx, dout):
+        q, gathered, out, lse = ctx.saved_tensors
+        n, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        q32, dout = q.float(), dout.float()
+        delta = (dout * out).sum(-1)
+        dq = torch.zeros_like(q32)
+        grads = torch.stack([backward_block(q32, gathered[src], dout, lse, delta, rank, src, dq) for src in range(n)])
+        own = torch.empty(grads.shape[1:], dtype=torch.float32, device=q.device)
+        dist.reduce_scatter_single(own, grads.view((n * 2,) + grads.shape[2:]), group=ctx.group)
+        return dq.to(q.dtype), own[0].to(q.dtype), own[1].to(q.dtype), None
 
 
 # --- applying it
@@ -237,14 +250,13 @@ def apply_cp(model, mesh, p):
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     # whether the forward under way runs on this rank's pieces of sequences; a recomputing backward (activation
     # checkpointing) runs after the forward that set it
-    state = {"split": False, "seq_len": None}
+    state = {"split": False}
 
     def attend(q, k, v):
         if not state["split"]:
             return causal_attention(q, k, v)
-        if p.cp_method == "ring":
-            return RingAttention.apply(q, k, v, group)
-        return allgather_attention(q, k, v, group, state["seq_len"])
+        method = RingAttention if p.cp_method == "ring" else AllGatherAttention
+        return method.apply(q, k, v, group)
 
     for b in model.blocks:
         b.attn.attend = attend
@@ -254,7 +266,6 @@ def apply_cp(model, mesh, p):
         state["split"] = targets is not None
         if targets is None:
             return None
-        state["seq_len"] = idx.size(1)
         pos = zigzag_positions(idx.size(1), n, rank, idx.device)
         return (idx[:, pos], targets[:, pos]), {**{k: v for k, v in kwargs.items() if k != "targets"},
                                                 "positions": pos}

@@ -94,7 +94,7 @@ def _ring_worker(method, T=32):
     y.backward(dy)
     pos = cp.zigzag_positions(T, n, r)
     ql, kl, vl = (t.detach()[:, :, pos].clone().requires_grad_(True) for t in (q, k, v))
-    yl = cp.RingAttention.apply(ql, kl, vl, None) if method == "ring" else cp.allgather_attention(ql, kl, vl, None, T)
+    yl = (cp.RingAttention if method == "ring" else cp.AllGatherAttention).apply(ql, kl, vl, None)
     yl.backward(dy[:, :, pos])
     for got, ref in ((yl, y), (ql.grad, q.grad), (kl.grad, k.grad), (vl.grad, v.grad)):
         torch.testing.assert_close(got, ref[:, :, pos], rtol=1e-5, atol=1e-6)

@@ -235,12 +235,12 @@ def activation_bytes(shape, micro, seq, act_bytes, tp=1, sequence_parallel=False
 def cp_activation_bytes(shape, micro, seq, act_bytes, cp, method, tp=1, sequence_parallel=False, checkpointed=0.0):
     """activation_bytes for one cp rank's seq/cp tokens (the ring saves what one process's attention does: q, k, v,
     output and its log-sum-exp, of its own tokens). The all-gather keeps the whole sequence's K and V for backward
-    in every layer it doesn't recompute, 2 b (seq - seq/cp) d more than its own, and the (seq/cp, seq) mask, which
-    SDPA turns into an additive one in the activations' dtype. Returns (kept, recomputed at once)."""
+    in every layer it doesn't recompute, 2 b (seq - seq/cp) d more than its own. Returns (kept, recomputed at
+    once)."""
     kept, recompute = activation_bytes(shape, micro, seq // cp, act_bytes, tp, sequence_parallel, checkpointed)
     if method == "allgather" and cp > 1:
         L = shape["n_layer"]
-        extra = (2 * micro * (seq - seq // cp) * shape["n_embd"] / tp + (seq // cp) * seq) * act_bytes
+        extra = 2 * micro * (seq - seq // cp) * shape["n_embd"] / tp * act_bytes
         n_ckpt = round(checkpointed * L)
         kept += (L - n_ckpt) * extra
         recompute += extra if n_ckpt else 0
