@@ -76,7 +76,7 @@ class Parallel:
     cp: Optional[int] = at_least(1)
     cp_method: str = choice(*CP_METHODS)
     data: str = choice(*DATA_STRATEGIES)
-    impl: str = choice("scratch", "torch")
+    impl: str = choice("scratch", "torch", "deepspeed")
     sequence_parallel: bool = MISSING
     bucket_mb: float = above(0)
     reduce_dtype: str = choice(*DTYPES)
@@ -230,7 +230,8 @@ def _layout_name_dp_tp(p, d):
 
 # the strategies whose weights on a rank are a working copy apart from the float32 master (ours: zero1, zero2,
 # fsdp; torch's: FSDP2's MixedPrecisionPolicy, for zero2 and fsdp). The others compute with the master weights.
-WORKING_COPY = {"scratch": ("zero1", "zero2", "fsdp"), "torch": ("zero2", "fsdp")}
+# DeepSpeed's: none (its bf16 mode is not wired; its working weights stay float32, beside its fp32 master).
+WORKING_COPY = {"scratch": ("zero1", "zero2", "fsdp"), "torch": ("zero2", "fsdp"), "deepspeed": ()}
 
 
 def working_dtype(param_dtype, data, impl, dtype):
@@ -265,6 +266,10 @@ def check_parallel(p, world, model, seq_len, cpu_bf16=True, bf16=True, compile_=
             return ("parallel.param_dtype=bfloat16 with parallel.data=zero1 has no torch twin "
                     "(ZeroRedundancyOptimizer steps the model's own weights); use parallel.impl=scratch, or "
                     "parallel=zero2 parallel.impl=torch (FSDP2's MixedPrecisionPolicy)")
+    if p.impl == "deepspeed":
+        problem = check_deepspeed(p, name, d["tp"], compile_)
+        if problem:
+            return problem
     if p.accumulate != "local" and (p.data != "zero2" or p.impl != "scratch"):
         return (f"parallel.accumulate={p.accumulate} reduce-scatters every micro-step into our ZeRO-2's gradient "
                 f"shard; parallel={name}{' impl=torch' if p.impl == 'torch' else ''} accumulates locally: use "
@@ -341,9 +346,33 @@ def check_cp(p, cp, tp, seq_len, compile_):
                 "attention kernels; on the CPU: NotImplementedError: Operator "
                 "aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy "
                 "registered); use parallel.impl=scratch")
+    if p.impl == "deepspeed":
+        return ("parallel.impl=deepspeed with parallel.cp > 1: not wired (its groups are dp's); use "
+                "parallel.impl=scratch")
     if compile_:
         return ("train.compile=true with parallel.cp > 1: the ring's sends and receives would run inside the "
                 "compiled blocks, where they can't overlap or be counted; use train.compile=false")
+    return None
+
+
+def check_deepspeed(p, name, tp, compile_):
+    """parallel.impl=deepspeed (parallel/zero_deepspeed.py): DeepSpeed's ZeRO stages, in float32, over dp alone."""
+    import importlib.util
+    if p.data not in ("zero1", "zero2", "fsdp"):
+        return (f"parallel.impl=deepspeed is DeepSpeed's ZeRO: parallel.data=zero1, zero2 or fsdp (its stage 3); "
+                f"parallel={name} has no DeepSpeed twin, use parallel.impl=scratch or torch")
+    if tp > 1:
+        return f"parallel.impl=deepspeed runs over data parallel alone; parallel.tp={tp}: use parallel.tp=1"
+    for key in ("param_dtype", "reduce_dtype"):
+        if p[key] != "float32":
+            return (f"parallel.{key}={p[key]} with parallel.impl=deepspeed: its twin runs in float32 here; use "
+                    f"parallel.{key}=float32")
+    if p.cpu_offload:
+        return "parallel.cpu_offload=true has no DeepSpeed twin here; use parallel.cpu_offload=false"
+    if compile_:
+        return "train.compile=true with parallel.impl=deepspeed: not wired; use train.compile=false"
+    if importlib.util.find_spec("deepspeed") is None:
+        return "parallel.impl=deepspeed needs DeepSpeed, which is not installed: pip install deepspeed==0.19.8"
     return None
 
 

@@ -41,7 +41,11 @@ from tools.metrics import Metrics, peak_memory_mb, peak_reserved_mb, profiler
 def check_config(cfg, run_dir, world):
     """config.check's (device, dtype, grad_accum), and the checkpoint to resume from (or None)."""
     resume = checkpoint.resume_from(cfg, run_dir)
-    return (*config.check(cfg, world), resume)
+    checked = config.check(cfg, world)
+    if resume and cfg.parallel.impl == "deepspeed":  # saving works (parallel/zero_deepspeed.py); loading is not wired
+        raise ConfigError(f"parallel.impl=deepspeed can't resume {resume}: resume it with parallel.impl=scratch or "
+                          f"torch (any layout loads it), or set train.resume=none")
+    return (*checked, resume)
 
 
 def lr_at(step, o, max_steps):

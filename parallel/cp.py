@@ -29,8 +29,8 @@ tokens. Attention needs every earlier token's key and value, and that is all tha
   Llama 3's choice.
 
   Memory per rank: activations of T/cp tokens (1/cp of one process's); the ring holds two K, V blocks at a time;
-  the all-gather keeps the whole sequence's K, V in every layer for backward. This file computes each block's scores explicitly,
-  (B, H, 2C, 2C) floats at a time, where a flash kernel would keep tiles.
+  the all-gather keeps the whole sequence's K, V in every layer for backward. This file computes each block's
+  scores explicitly, (B, H, 2C, 2C) floats at a time, where a flash kernel would keep tiles.
   Communication per layer and step (bytes of K and V of one rank, kv = 2 B (T/cp) d x element size):
     ring       forward (cp - 1) hops of kv; backward (cp - 1) of kv and (cp - 1) of dK, dV (float32). Each hop is a
                send and a receive; parallel/comm.py counts both, as p2p on the "cp" dimension.

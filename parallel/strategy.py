@@ -9,6 +9,8 @@ A data-parallel strategy (parallel/ddp.py, zero.py, fsdp.py; parallel.data) is a
   grads_sharded    true where each data-parallel rank holds a disjoint piece of every gradient (ZeRO-2, FSDP)
   grad_pieces()    [(parameter name, gradient piece)] on this rank, for the global norm
   holders(p)       the tensors a checkpoint writes for parameter p: ([(weights, offset)], [(optimizer key, offset)])
+  optimizer_state()  {optimizer key: {state name: tensor}} for those keys (the local optimizer's own state)
+  shape(p)         p's whole (tp-local) shape: its own, unless p is an empty stand-in (DeepSpeed's ZeRO-3)
   reshard()        free what a forward without backward left gathered
   after_load()     make what derives from the holders agree with them once a checkpoint is read (ZeRO's bf16 copy)
   state_tensors()  model state the strategy keeps that no parameter or optimizer state points at (state_bytes)
@@ -45,6 +47,12 @@ class DataParallel:
 
     def holders(self, p):
         return [(p, 0)], [(p, 0)]
+
+    def optimizer_state(self):
+        return self.local_optimizer.state
+
+    def shape(self, p):
+        return tuple(p.shape)
 
     def reshard(self):
         pass

@@ -625,7 +625,8 @@ def ranking(cfg, shape, world, plan):
         lines.append(f"| {i if r['fits'] else '-'} | {r['strategy']} | {r['dp']} | {r['tp']} | {r['cp']} | "
                      f"{r['accum']} | "
                      f"{r['ac']} | {r['total_memory'] / 1e9:.1f} | {'yes' if r['fits'] else 'no'} | "
-                     f"{(r['comm_total'] + r['p2p_total']) / 1e9:.2f} | {r['step_s'] * 1e3:.0f} | {r['time']['exposed comm'] * 1e3:.0f} "
+                     f"{(r['comm_total'] + r['p2p_total']) / 1e9:.2f} | {r['step_s'] * 1e3:.0f} | "
+                     f"{r['time']['exposed comm'] * 1e3:.0f} "
                      f"| {r['tok_per_s']:,.0f} | {r['mfu']:.1%} |")
     return lines + [f"not possible here: {s}" for s in skipped]
 
