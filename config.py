@@ -8,7 +8,8 @@ world size, a batch that splits over the data-parallel ranks). Every problem is 
 before anything is prepared or written.
 
 The parallel layout is a device mesh of named dimensions whose sizes are numbers in `parallel.*`: `tp` (tensor
-parallel) and `dp` (data parallel, with its strategy `parallel.data`). `degrees()` turns them into sizes for a
+parallel), `cp` (context parallel: each sequence split over ranks) and `dp` (data parallel, with its strategy
+`parallel.data`, which reduces gradients over dp x cp). `degrees()` turns them into sizes for a
 world; `layout_name()` names the result as the planner and metrics do (single, ddp, ..., tp, fsdp_tp).
 """
 import dataclasses
@@ -24,7 +25,9 @@ from model import GPTConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DATA_STRATEGIES = ("none", "ddp", "zero1", "zero2", "fsdp")
-DIMS = ("dp", "tp")  # the mesh's dimensions, outermost first: rank = i_dp * tp + i_tp (a tp group is neighbours)
+# the mesh's dimensions, outermost first: rank = (i_dp * cp + i_cp) * tp + i_tp (a tp group is neighbours)
+DIMS = ("dp", "cp", "tp")
+CP_METHODS = ("ring", "allgather")
 
 
 class ConfigError(ValueError):
@@ -70,6 +73,8 @@ class Train:
 class Parallel:
     dp: Optional[int] = at_least(1)
     tp: Optional[int] = at_least(1)
+    cp: Optional[int] = at_least(1)
+    cp_method: str = choice(*CP_METHODS)
     data: str = choice(*DATA_STRATEGIES)
     impl: str = choice("scratch", "torch", "deepspeed")
     sequence_parallel: bool = MISSING
@@ -207,16 +212,26 @@ def model_config(cfg, vocab_size):
 
 # --- the mesh
 def degrees(p, world):
-    """{dim: size} for `world` ranks: tp null means every rank; dp null means what the other degrees leave."""
+    """{dim: size} for `world` ranks: tp null means every rank, cp null every rank tp leaves; dp null means what
+    the other degrees leave."""
     tp = world if p.tp is None else p.tp
-    dp = p.dp if p.dp is not None else max(1, world // max(1, tp))
-    return {"dp": dp, "tp": tp}
+    cp = max(1, world // max(1, tp)) if p.cp is None else p.cp
+    dp = p.dp if p.dp is not None else max(1, world // max(1, tp * cp))
+    return {"dp": dp, "cp": cp, "tp": tp}
 
 
 def layout_name(p, world):
     """The layout as the planner and metrics name it: single, ddp, zero1, zero2, fsdp (one dimension, dp), tp (DDP
-    over dp where dp > 1), fsdp_tp, zero1_tp, zero2_tp."""
+    over dp where dp > 1), fsdp_tp, zero1_tp, zero2_tp; with context parallel, cp alone (DDP over cp) or _cp
+    after the others' name (fsdp_cp, tp_cp)."""
     d = degrees(p, world)
+    if d["cp"] > 1:
+        base = _layout_name_dp_tp(p, d)
+        return "cp" if base in ("single", "ddp") else f"{base}_cp"
+    return _layout_name_dp_tp(p, d)
+
+
+def _layout_name_dp_tp(p, d):
     if d["tp"] > 1:
         return "tp" if p.data in ("none", "ddp") else f"{p.data}_tp"
     return "single" if p.data == "none" else p.data
@@ -249,7 +264,7 @@ def check_parallel(p, world, model, seq_len, cpu_bf16=True, bf16=True, compile_=
     GPTConfig (layers, heads, widths, padded vocab) the run will build; `bf16`: whether the device the run computes
     on can compute in bfloat16 (`cpu_bf16`: whether the CPU can); `dtype`: train.dtype resolved."""
     name, d = layout_name(p, world), degrees(p, world)
-    dp, tp = d["dp"], d["tp"]
+    dp, cp, tp = d["dp"], d["cp"], d["tp"]
     p = resolved(p, dtype)
     if p.param_dtype != "float32":
         if p.data not in ("zero1", "zero2", "fsdp"):
@@ -276,13 +291,24 @@ def check_parallel(p, world, model, seq_len, cpu_bf16=True, bf16=True, compile_=
                 f"`torchrun --nproc_per_node=N train.py parallel={name}` (N >= 2)")
     if world % tp:
         return f"parallel.tp={tp} must divide the number of ranks ({world})"
-    if dp * tp != world:
-        return f"parallel.dp={dp} x parallel.tp={tp} = {dp * tp}, but {world} ranks were launched"
+    if world % (cp * tp):
+        return f"parallel.cp={cp} x parallel.tp={tp} = {cp * tp} must divide the number of ranks ({world})"
+    if dp * cp * tp != world:
+        return (f"parallel.dp={dp} x parallel.tp={tp} = {dp * tp}, but {world} ranks were launched" if cp == 1 else
+                f"parallel.dp={dp} x parallel.cp={cp} x parallel.tp={tp} = {dp * cp * tp}, but {world} ranks were "
+                f"launched")
     if dp > 1 and p.data == "none":
         return f"parallel.dp={dp} replicas need a data-parallel strategy: parallel.data={_or(DATA_STRATEGIES[1:])}"
-    if dp == 1 and p.data in ("zero1", "zero2"):
+    if cp > 1 and p.data == "none":
+        return (f"parallel.cp={cp}: each cp rank's gradients come from its own tokens and are reduced over dp x cp "
+                f"as over dp; that needs a data-parallel strategy: parallel.data={_or(DATA_STRATEGIES[1:])}")
+    if dp * cp == 1 and p.data in ("zero1", "zero2"):
         return (f"parallel.data={p.data} shards over the data-parallel ranks, but dp=1 (tp={tp} takes all {world}); "
                 f"lower parallel.tp or use parallel.data=ddp")
+    if cp > 1:
+        problem = check_cp(p, cp, tp, seq_len, compile_)
+        if problem:
+            return problem
     if tp > 1:
         for n, what in ((model.n_head, "attention heads (model.n_head)"),
                         (4 * model.n_embd, "MLP hidden units (4 x model.n_embd)"),
@@ -325,6 +351,28 @@ def check_dry_run(d, launcher, under_torchrun):
                 f"{how}; run `python train.py ... dry_run.world={d.world}` alone")
     if not 0 <= d.rank < d.world:
         return f"dry_run.rank={d.rank} is outside dry_run.world={d.world}: use a rank from 0 to {d.world - 1}"
+    return None
+
+
+def check_cp(p, cp, tp, seq_len, compile_):
+    """Context parallel's own rules (parallel/cp.py), or None."""
+    if seq_len % (2 * cp):
+        return (f"parallel.cp={cp} splits each sequence into 2 x cp = {2 * cp} equal chunks, but train.seq_len="
+                f"{seq_len} is not divisible by {2 * cp}")
+    if p.sequence_parallel and tp > 1 and (seq_len // cp) % tp:
+        return (f"parallel.sequence_parallel=true splits each cp rank's {seq_len // cp} tokens over the {tp} tp "
+                f"ranks, but {seq_len // cp} is not divisible by {tp}")
+    if p.impl == "torch":
+        return ("parallel.impl=torch with parallel.cp > 1: torch's context_parallel is GPU-only (it shards the CUDA "
+                "attention kernels; on the CPU: NotImplementedError: Operator "
+                "aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy "
+                "registered); use parallel.impl=scratch")
+    if p.impl == "deepspeed":
+        return ("parallel.impl=deepspeed with parallel.cp > 1: not wired (its groups are dp's); use "
+                "parallel.impl=scratch")
+    if compile_:
+        return ("train.compile=true with parallel.cp > 1: the ring's sends and receives would run inside the "
+                "compiled blocks, where they can't overlap or be counted; use train.compile=false")
     return None
 
 

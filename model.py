@@ -50,8 +50,13 @@ def rope_tables(cfg, device):
 def apply_rope(x, cos, sin):
     # x: (B, H, T, D); rotate pairs (x1, x2) made of the two halves of the head dimension
     x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos[: x.size(2)].to(x.dtype), sin[: x.size(2)].to(x.dtype)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # (T, head_dim/2): the tables' rows at x's positions
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def causal_attention(q, k, v):
+    """Softmax attention of each position to itself and the positions before it; q, k, v: (B, H, T, head_dim)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class Attention(nn.Module):
@@ -63,13 +68,15 @@ class Attention(nn.Module):
         self.k = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.v = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        # an attribute, so that a strategy that splits the sequence over ranks can put its own in place (parallel/cp.py)
+        self.attend = causal_attention
 
     def forward(self, x, cos, sin):
         B, T, _ = x.shape
         # -1 rather than self.n_head: under tensor parallelism this rank holds only some heads
         q, k, v = (lin(x).view(B, T, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.attend(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -135,10 +142,15 @@ class GPT(nn.Module):
         else:
             nn.init.normal_(p, std=0.02)
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, positions=None):
+        """Logits, or the mean loss where targets are given. `positions`: each token's position in its sequence
+        (T,), where idx holds not a whole sequence but some of its pieces (parallel/cp.py); default 0..T-1."""
         x = self.wte(idx)
+        T = idx.size(1)
+        cos, sin = (self.rope_cos[:T], self.rope_sin[:T]) if positions is None else \
+            (self.rope_cos[positions], self.rope_sin[positions])
         for block in self.blocks:
-            x = block(x, self.rope_cos, self.rope_sin)
+            x = block(x, cos, sin)
         logits = self.head(self.norm(x))
         if targets is None:
             return logits

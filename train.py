@@ -93,14 +93,15 @@ def train_step(par, x, y, accum, micro_batch_size, autocast, max_norm):
 def evaluate(par, val, t, autocast, rank, world):
     """Mean loss over eval_steps fixed val batches (the same ones at every evaluation), averaged over ranks."""
     par.model.eval()
-    dp, tp = par.dims["dp"], par.dims["tp"]
+    dp = par.dims["dp"]
     total = torch.zeros((), device=par.device)
     for i in range(t.eval_steps):
-        x, y = shards.get_batch(val, "val", t.seed, i, t.micro_batch_size * dp, t.seq_len, rank // tp, dp)
+        x, y = shards.get_batch(val, "val", t.seed, i, t.micro_batch_size * dp, t.seq_len, par.dp_rank, dp)
         with autocast, par.loss_context():
             total += par.model(x.to(par.device), y.to(par.device)).float()
     if world > 1:
-        dist.all_reduce(total)  # the tp ranks of a dp group hold the same loss: the mean over all ranks is right
+        # the tp ranks of a dp group hold the same loss, cp ranks the means of equal pieces: the mean over all is right
+        dist.all_reduce(total)
     par.data.reshard()  # a forward without backward may leave sharded parameters gathered
     par.model.train()
     return total.item() / (t.eval_steps * world)
@@ -223,9 +224,9 @@ def run(cfg, run_dir):
             lr = lr_at(step - 1, o, t.max_steps)
             for group in par.optimizer.param_groups:
                 group["lr"] = lr
-            # each dp group takes its slice of the global batch; the tp ranks within it take the same one
+            # each dp group takes its slice of the global batch; the cp and tp ranks within it take the same one
             x, y = shards.get_batch(train_tokens, "train", t.seed, step - 1, t.global_batch_size, t.seq_len,
-                                    rank // par.dims["tp"], par.dims["dp"])
+                                    par.dp_rank, par.dims["dp"])
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             loss_sum, grad_norm = train_step(par, x, y, accum, t.micro_batch_size, autocast, max_norm)
             comm_bytes, comm_by_dim = comm.bytes, dict(comm.by_dim)

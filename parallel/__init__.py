@@ -1,14 +1,16 @@
 """Parallel strategies, applied to model.py's GPT from outside (model.py imports nothing from here).
 
-One device mesh, built once from the degrees in `parallel.*` (config.degrees): ("dp", "tp"), tensor parallel inside
-each group of `tp` neighbouring ranks (one node's GPUs, on NVLink), data parallel across the groups. Every strategy
-takes its process groups from it. `parallelize` composes them in one fixed order (torchtitan's):
+One device mesh, built once from the degrees in `parallel.*` (config.degrees): ("dp", "cp", "tp"), tensor parallel
+inside each group of `tp` neighbouring ranks (one node's GPUs, on NVLink), context parallel across cp such groups,
+data parallel across the rest. Every strategy takes its process groups from it. `parallelize` composes them in one
+fixed order (torchtitan's):
 
   1. tensor / sequence parallel   parallel/tp.py          over "tp", when tp > 1
-  2. activation checkpointing     torch.utils.checkpoint  train.activation_checkpointing
-  3. compile                      torch.compile           train.compile
-  4. data parallel + optimizer    parallel/ddp.py, zero.py, fsdp.py over "dp": parallel.data
-     (ZeRO and FSDP own the optimizer step, so this step builds the optimizer)
+  2. context parallel             parallel/cp.py          over "cp", when cp > 1
+  3. activation checkpointing     torch.utils.checkpoint  train.activation_checkpointing
+  4. compile                      torch.compile           train.compile
+  5. data parallel + optimizer    parallel/ddp.py, zero.py, fsdp.py over "dp" (dp x cp under context parallel):
+     parallel.data (ZeRO and FSDP own the optimizer step, so this step builds the optimizer)
 
 Each strategy has two implementations, side by side in its file, chosen with `parallel.impl`: scratch (ours) and
 torch (PyTorch's: DistributedDataParallel; DDP + ZeroRedundancyOptimizer; FSDP2 fully_shard; DTensor
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 import config
-from parallel import comm, ddp, fsdp, tp, zero, zero_deepspeed
+from parallel import comm, cp, ddp, fsdp, tp, zero, zero_deepspeed
 from parallel.strategy import DataParallel, TensorParallel, clip_grad_norm, materialize, state_bytes
 
 # parallel.data x parallel.impl -> the function that applies it over "dp" (and builds the optimizer)
@@ -39,7 +41,7 @@ DATA_PARALLEL = {
 
 
 def build_mesh(p, world, device_type):
-    """The (dp, tp) device mesh for `world` ranks; its groups are named for the communication counter."""
+    """The (dp, cp, tp) device mesh for `world` ranks; its groups are named for the communication counter."""
     from torch.distributed.device_mesh import init_device_mesh
     d = config.degrees(p, world)
     mesh = init_device_mesh(device_type, tuple(d[k] for k in config.DIMS), mesh_dim_names=config.DIMS)
@@ -56,8 +58,9 @@ class Parallelized:
     data: DataParallel
     tp: TensorParallel
     mesh: object  # None for one process without a process group
-    dims: dict  # {"dp": n, "tp": n}
+    dims: dict  # {"dp": n, "cp": n, "tp": n}
     device: str
+    dp_rank: int = 0  # this rank's coordinate on "dp": which slice of the global batch it takes
 
     def no_sync(self):
         return self.data.no_sync()
@@ -79,25 +82,31 @@ def parallelize(model, p, mesh, make_optimizer, device, train):
     """Apply the strategies to `model` (a GPT on the meta device), in the order above; returns Parallelized.
     The global RNG must be seeded: every layout draws the same initial weights as parallel=single."""
     dims = {k: mesh[k].size() for k in config.DIMS} if mesh is not None else {k: 1 for k in config.DIMS}
+    dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
     # 1. tensor parallel: ours shards the meta model in place; torch's materializes it whole and distributes it
     par_tp = TensorParallel()
     if dims["tp"] > 1:
         par_tp = tp.apply_tp(model, mesh, p) if p.impl == "scratch" else tp.apply_torch_tp(model, mesh, p, device)
-    # 2. activation checkpointing, 3. compile: inside the blocks, so the strategies' hooks on them stay outside
+    # 2. context parallel: each sequence split over cp, attention by ring or all-gather
+    data_mesh = mesh
+    if dims["cp"] > 1:
+        cp.apply_cp(model, mesh, p)
+        data_mesh = cp.data_mesh(mesh)  # gradients are reduced over dp x cp
+    # 3. activation checkpointing, 4. compile: inside the blocks, so the strategies' hooks on them stay outside
     apply_activation_checkpointing(model, train.activation_checkpointing, train.ac_every)
     if train.compile:
         apply_compile(model, tensor_parallel=dims["tp"] > 1)
-    # 4. data parallel: ours FSDP materializes one shard at a time; everything else materializes here first. One
+    # 5. data parallel: ours FSDP materializes one shard at a time; everything else materializes here first. One
     # replica (parallel=single, or tensor parallel alone) needs no strategy; FSDP runs on one rank too, to be timed
     init_param = par_tp.init_param or model.init_param
-    one_replica = p.data == "none" or (dims["dp"] == 1 and p.data != "fsdp")
+    one_replica = p.data == "none" or (dims["dp"] * dims["cp"] == 1 and p.data != "fsdp")
     if p.data == "fsdp" and p.impl == "scratch":
-        data = fsdp.apply_fsdp(model, mesh, p, make_optimizer, device, init_param)
+        data = fsdp.apply_fsdp(model, data_mesh, p, make_optimizer, device, init_param)
     else:
         materialize(model, init_param, device)
         data = DataParallel(model, make_optimizer) if one_replica else \
-            DATA_PARALLEL[p.data, p.impl](model, mesh, p, make_optimizer)
-    return Parallelized(data.model, data.module, data.optimizer, data, par_tp, mesh, dims, device)
+            DATA_PARALLEL[p.data, p.impl](model, data_mesh, p, make_optimizer)
+    return Parallelized(data.model, data.module, data.optimizer, data, par_tp, mesh, dims, device, dp_rank)
 
 
 def apply_activation_checkpointing(model, mode, every=1):

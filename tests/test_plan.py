@@ -15,7 +15,7 @@ import parallel
 import train
 from conftest import ROOT, SHARED, forked, make_cfg, read_metrics, small_corpus, small_run
 from model import GPT, GPTConfig
-from tools import plan
+from tools import cp_memory, plan
 
 # 4 heads so that tensor parallelism can split them 4 ways; global 8 in micro-batches of 2: accumulation 4, 2, 1 at
 # 1, 2, 4 data-parallel ranks; float32 on both sides (the planner's default is bf16 activations)
@@ -100,18 +100,9 @@ def saved_for_backward(ac, n_layer=3, d=64, heads=4, vocab=256, b=2, s=32):
     model = GPT(GPTConfig(vocab_size=vocab, block_size=s, n_layer=n_layer, n_head=heads, n_embd=d))
     model.init_weights()
     parallel.apply_activation_checkpointing(model, ac)
-    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    kept = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip:
-            kept[st.data_ptr()] = st.nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(torch.randint(0, vocab, (b, s)), torch.randint(0, vocab, (b, s)))
+    kept, _ = cp_memory.saved_bytes(model, torch.randint(0, vocab, (b, s)), torch.randint(0, vocab, (b, s)))
     shape = {"n_layer": n_layer, "n_embd": d, "vocab": model.cfg.padded_vocab_size}
-    return sum(kept.values()), shape
+    return kept, shape
 
 
 @pytest.mark.parametrize("ac", ["none", "full"])
@@ -135,7 +126,7 @@ def test_command_plans_and_ranks():
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "rank" not in line]
     layouts = {(r[1].strip(), int(r[3])) for r in rows}
     assert {("ddp", 1), ("zero1", 1), ("zero2", 1), ("fsdp", 1), ("fsdp_tp", 2), ("fsdp_tp", 8)} <= layouts
-    fitting = [float(r[9]) for r in rows if r[7].strip() == "yes"]
+    fitting = [float(r[10]) for r in rows if r[8].strip() == "yes"]
     assert fitting and fitting == sorted(fitting)  # fastest first
     assert [r[0].strip() for r in rows[:len(fitting)]] == [str(i) for i in range(1, len(fitting) + 1)]
 
@@ -405,3 +396,35 @@ def test_peak_flops_by_exact_name(tmp_path):
         assert r["mfu"] == pytest.approx(first["flops_per_token"] * r["tok_per_s"] / 0.5e12)
     with pytest.raises(config.ConfigError, match="train.peak_tflops=0.0 must be positive"):
         config.validate(make_cfg("train.peak_tflops=0.0"))
+
+
+# --- context parallel: activations per rank on real cp ranks, the long-context plan
+CP_SHAPE = {"n_layer": 2, "n_head": 2, "n_embd": 64, "vocab_size": 512}
+
+
+@pytest.mark.parametrize("method", ["ring", "allgather"])
+def test_cp_activations_equal_measured(method):
+    """What autograd keeps on each of 2 cp ranks (forked, gloo, tools/cp_memory.py) against the planner; the ring's
+    is half of one process's (1/cp), the all-gather's more by the whole sequence's K, V."""
+    shape = {**CP_SHAPE, "vocab": 512}
+    one = cp_memory.measure(1, shape=CP_SHAPE, seq_len=256, batch=2)
+    two = cp_memory.measure(2, method, shape=CP_SHAPE, seq_len=256, batch=2)
+    assert one == pytest.approx(plan.activation_bytes(shape, 2, 256, 4)[0], rel=0.02)
+    assert two == pytest.approx(plan.cp_activation_bytes(shape, 2, 256, 4, 2, method)[0], rel=0.02)
+    print(f"\n{method}: cp=2 keeps {two / one:.3f} of one process's activations")
+    if method == "ring":
+        assert two / one == pytest.approx(0.5, rel=0.02)
+
+
+def test_long_context_plan():
+    """gpt_1p3b at 32k tokens on 8 GPUs: the ranking covers cp layouts, and the configured one reports its balance
+    and exposed ring time."""
+    out = run_plan("model=gpt_1p3b", "model.block_size=32768", "train.seq_len=32768", "train.global_batch_size=8",
+                   "train.micro_batch_size=1", "parallel=fsdp", "parallel.cp=8", "plan.world=8")
+    assert "layout: parallel=fsdp_cp dp=1 x cp=8 (ring) x tp=1" in out
+    assert "1.000 zig-zag (a plain split: 15.00)" in out  # 2 cp - 1: the last rank's queries see the most keys
+    assert "cp   p2p" in out and "dp_cp reduce_scatter" in out
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "rank" not in line]
+    fitting = [r for r in rows if r[8].strip() == "yes"]
+    assert {int(r[4]) for r in fitting} >= {1, 2, 4, 8}
+    assert int(fitting[0][4]) > 1  # without activation checkpointing only split sequences fit; they are fastest

@@ -24,6 +24,11 @@ tensor parallelism) and N the data-parallel ranks:
 - autocast copies: under bf16 autocast, the bf16 copy of every float32 matmul weight autograd keeps for backward
   (none with bf16 working weights, parallel.param_dtype=auto's choice where the strategy has a working copy).
 - time: compute at a stated fraction of the peak, plus the communication each strategy can't hide behind it.
+- context parallel (parallel/cp.py, cp > 1): each rank holds seq/cp tokens of every sequence, so activations and
+  tensor-parallel traffic shrink by cp; the data-parallel strategy reduces over N = dp x cp ranks (filed "dp_cp");
+  K, V cross the "cp" dimension: the ring's (cp - 1) hops per layer, each hidden behind one block of attention
+  when it is fast enough, or the all-gather's, exposed (`cp_comm_bytes`, `cp_activation_bytes`, `step_time`);
+  the balance of (query, key) pairs over the cp ranks under the zig-zag split and the plain one (`cp_balance`).
 tests/test_plan.py checks state and comm against real runs' counters at world sizes 1, 2 and 4.
 """
 import math
@@ -73,11 +78,13 @@ SHARDED = {"single": (), "ddp": (), "zero1": ("optimizer",), "zero2": ("gradient
            "fsdp": ("parameters", "gradients", "optimizer"), "tp": (),
            "fsdp_tp": ("parameters", "gradients", "optimizer"), "zero1_tp": ("optimizer",),
            "zero2_tp": ("gradients", "optimizer")}
-STRATEGIES = tuple(SHARDED)  # layouts as config.layout_name names them
+# layouts as config.layout_name names them: each of those, and with context parallel (cp > 1) beside it
+STRATEGIES = tuple(SHARDED) + ("cp", "zero1_cp", "zero2_cp", "fsdp_cp", "tp_cp", "fsdp_tp_cp", "zero1_tp_cp",
+                               "zero2_tp_cp")
 TP_STRATEGIES = ("tp", "fsdp_tp", "zero1_tp", "zero2_tp")  # the others have tp = 1
 # Settings the theory reads from parallel.*, with the value a strategy without that setting behaves as
 KNOBS = {"reduce_dtype": "float32", "param_dtype": "float32", "accumulate": "local", "reshard_after_forward": True,
-         "prefetch": 1, "sequence_parallel": False}
+         "prefetch": 1, "sequence_parallel": False, "cp_method": "ring"}
 ZERO = ("zero1", "zero2", "zero1_tp", "zero2_tp")
 DATA = {"single": "none", "ddp": "ddp", "tp": "ddp", **{s: s.split("_")[0] for s in ("zero1", "zero2", "fsdp",
                                                                                     "zero1_tp", "zero2_tp", "fsdp_tp")}}
@@ -233,6 +240,57 @@ def activation_bytes(shape, micro, seq, act_bytes, tp=1, sequence_parallel=False
     return (L - n_ckpt) * block + n_ckpt * u * 4 / norm_split + end, block if n_ckpt else 0
 
 
+def cp_activation_bytes(shape, micro, seq, act_bytes, cp, method, tp=1, sequence_parallel=False, checkpointed=0.0):
+    """activation_bytes for one cp rank's seq/cp tokens (the ring saves what one process's attention does: q, k, v,
+    output and its log-sum-exp, of its own tokens). The all-gather keeps the whole sequence's K and V for backward
+    in every layer it doesn't recompute, 2 b (seq - seq/cp) d more than its own. Returns (kept, recomputed at
+    once)."""
+    kept, recompute = activation_bytes(shape, micro, seq // cp, act_bytes, tp, sequence_parallel, checkpointed)
+    if method == "allgather" and cp > 1:
+        L = shape["n_layer"]
+        extra = 2 * micro * (seq - seq // cp) * shape["n_embd"] / tp * act_bytes
+        n_ckpt = round(checkpointed * L)
+        kept += (L - n_ckpt) * extra
+        recompute += extra if n_ckpt else 0
+    return kept, recompute
+
+
+def cp_comm_bytes(shape, micro, seq, act_bytes, accum, cp, method, tp=1, checkpointed=0.0):
+    """K and V over the "cp" dimension per optimizer step, as parallel/comm.py counts them. One rank's K and V of
+    one micro-batch at one layer: kv = 2 b (seq/cp) (d/tp) act_bytes; their gradients travel in float32.
+      ring       per layer: forward (cp - 1) hops of kv, backward (cp - 1) of kv and of dK, dV; a hop is a send and
+                 a receive, both counted (p2p)
+      all-gather per layer: one all-gather (output cp x kv) and one reduce-scatter (input cp x kv, float32)
+    A checkpointed layer runs its forward, and its communication, twice."""
+    L = shape["n_layer"]
+    tokens = micro * (seq // cp) * shape["n_embd"] / tp
+    kv, dkv = 2 * tokens * act_bytes, 2 * tokens * 4
+    layers = accum * L
+    c = Counter()
+    if method == "ring":
+        c["cp", "p2p"] += layers * 2 * (cp - 1) * ((1 + checkpointed) * kv + kv + dkv)
+    else:
+        c["cp", "all_gather"] += layers * (1 + checkpointed) * cp * kv
+        c["cp", "reduce_scatter"] += layers * cp * dkv
+    return c
+
+
+def cp_balance(seq, cp):
+    """(max / min of the (query, key) pairs per rank under the zig-zag split, the same under the plain split)."""
+    from parallel import cp as context_parallel
+
+    def spread(split):
+        pairs = [context_parallel.causal_pairs(split(seq, cp, r)) for r in range(cp)]
+        return max(pairs) / min(pairs)
+    return spread(context_parallel.zigzag_positions), spread(context_parallel.plain_positions)
+
+
+def data_strategy(layout):
+    """The layout's strategy over its data-parallel ranks and tp, without context parallel: cp is DDP over cp,
+    fsdp_cp is fsdp, tp_cp is tp, ..."""
+    return "ddp" if layout == "cp" else layout.removesuffix("_cp")
+
+
 def transient_bytes(strategy, shape, P, accum, knobs, tp, dp=1):
     """What a strategy holds for a moment beyond its steady state. FSDP: 1 + prefetch units gathered (every unit,
     at the end of forward, with reshard_after_forward=false), the gradients of the unit in backward, and two units'
@@ -268,7 +326,7 @@ def autocast_copy_bytes(shape, P, tp):
 
 
 # --- time
-def bandwidths(world, tp, plan):
+def bandwidths(world, tp, plan, cp=1):
     """Bytes/s each way for a collective over each mesh dimension. tp stays within a node. A dp group within one
     node rides the node's links; one that spans nodes crosses the network, where NCCL spreads the traffic over the
     NICs of the group's GPUs in each node (one per GPU): k GPUs per node give k x NIC bandwidth, capped by the
@@ -276,10 +334,13 @@ def bandwidths(world, tp, plan):
     gpu, n = GPUS[plan.gpu], plan.gpus_per_node
     intra = gpu[plan.link]
     dp_bw = intra if world <= n else min(intra, (n // tp) * NETWORKS[plan.network])
-    return {"tp": intra, "dp": dp_bw}
+    # a cp group: every tp-th GPU of cp x tp neighbours; across nodes one NIC per GPU carries its own hops
+    cp_bw = intra if tp * cp <= n else min(intra, NETWORKS[plan.network])
+    return {"tp": intra, "dp": dp_bw, "cp": cp_bw}
 
 
-def step_time(strategy, shape, world, tp, accum, micro, seq, comm, knobs, checkpointed, plan):
+def step_time(strategy, shape, world, tp, accum, micro, seq, comm, knobs, checkpointed, plan, cp=1,
+              cp_method="ring", act_bytes=2):
     """(seconds per optimizer step, {what: seconds}). Compute: FLOPs of the rank's share at compute_efficiency x
     peak; forward 1/3, backward 2/3 of 6N + attention (model.flops_per_token), plus the forward of the blocks
     activation checkpointing recomputes. A collective of `counted` bytes over n ranks takes
@@ -291,15 +352,34 @@ def step_time(strategy, shape, world, tp, accum, micro, seq, comm, knobs, checkp
                      the all-gather of updated weights follows the step, exposed
       fsdp, fsdp_tp  with prefetch, each micro-step's gathers run during its forward and backward, the
                      reduce-scatter during the last backward; prefetch=0 exposes them all
-      tp             the all-reduces sit between the layers that need them: all exposed"""
+      tp             the all-reduces sit between the layers that need them: all exposed
+      cp ring        each hop of K, V runs while the block before it is computed: per layer and micro-step,
+                     (cp - 1) x max(0, hop - one block's attention) in forward, and with dK, dV in backward
+      cp all-gather  between the layers, exposed
+    Under cp, "dp" is the dp x cp ranks the gradients are reduced over."""
     gpu, dp = GPUS[plan.gpu], world // tp
     rate = gpu["peak"] * plan.compute_efficiency
-    fwd = shape["flops_per_token"] * micro * seq / tp / 3 / rate
+    fwd = shape["flops_per_token"] * micro * seq / cp / tp / 3 / rate
     bwd = (2 + checkpointed) * fwd
-    bw = bandwidths(world, tp, plan)
-    size = {"dp": dp, "tp": tp}
-    t = Counter({k: v * (size[k[0]] - 1) / size[k[0]] / (bw[k[0]] * plan.link_efficiency) for k, v in comm.items()})
+    bw = bandwidths(world, tp, plan, cp)
+    size = {"dp": dp, "tp": tp, "cp": cp}
+    link = {k: bw[k] * plan.link_efficiency for k in bw}
+    # a p2p hop sends and receives at once: counted twice, it takes bytes / 2 over the link one way
+    t = Counter({k: v / 2 / link[k[0]] if k[1] == "p2p" else v * (size[k[0]] - 1) / size[k[0]] / link[k[0]]
+                 for k, v in comm.items()})
     exposed = t["tp", "all_reduce"] + t["tp", "all_gather"] + t["tp", "reduce_scatter"]
+    exposed_cp = 0.0
+    if cp > 1 and cp_method == "ring":
+        L, chunk = shape["n_layer"], seq // (2 * cp)
+        block = 4 * micro * (shape["n_embd"] / tp) * 2 * chunk * chunk / rate  # QK^T and PV of a 2C x C block
+        tokens = micro * 2 * chunk * shape["n_embd"] / tp
+        hop = 2 * tokens * act_bytes / link["cp"]
+        hop_grad = 2 * tokens * 4 / link["cp"]
+        exposed_cp = accum * L * (cp - 1) * ((1 + checkpointed) * max(0.0, hop - block)
+                                             + max(0.0, hop + hop_grad - 2 * block))
+    elif cp > 1:
+        exposed_cp = t["cp", "all_gather"] + t["cp", "reduce_scatter"]
+    exposed += exposed_cp
     if strategy in ("ddp", "tp"):  # tp: DDP over dp, when dp > 1
         exposed += max(0.0, t["dp", "all_reduce"] - bwd)
     elif strategy in ZERO:
@@ -315,7 +395,8 @@ def step_time(strategy, shape, world, tp, accum, micro, seq, comm, knobs, checkp
             exposed += accum * max(0.0, fwd_gather - fwd) + (accum - 1) * max(0.0, bwd_gather - bwd) \
                 + max(0.0, bwd_gather + t["dp", "reduce_scatter"] - bwd)
     compute = accum * (fwd + bwd)
-    return compute + exposed, {"compute": compute, "exposed comm": exposed, "comm": sum(t.values()), "each": t}
+    return compute + exposed, {"compute": compute, "exposed comm": exposed, "exposed cp": exposed_cp,
+                               "comm": sum(t.values()), "each": t}
 
 
 # --- one layout, all of it
@@ -323,38 +404,58 @@ def tp_degree(p, world):
     return config.degrees(p, world)["tp"]
 
 
-def predict(cfg, world, strategy=None, tp=None, ac=None, shape=None, plan=None):
-    """Every number of one layout: the configured one, or `strategy`/`tp`/`ac` (activation checkpointing mode) in
-    its place, the parallel knobs staying the configured ones. With `plan` (the cluster), step time and MFU too."""
+def predict(cfg, world, strategy=None, tp=None, ac=None, shape=None, plan=None, cp=None):
+    """Every number of one layout: the configured one, or `strategy`/`tp`/`ac` (activation checkpointing mode)/`cp`
+    in its place, the parallel knobs staying the configured ones. With `plan` (the cluster), step time and MFU too.
+    `strategy` is the layout's name (config.layout_name): fsdp_cp with cp > 1, fsdp with cp = 1."""
     shape = shape or model_shape(cfg)
     strategy = strategy or config.layout_name(cfg.parallel, world)
     tp = tp or tp_degree(cfg.parallel, world)
+    cp = cp or config.degrees(cfg.parallel, world)["cp"]
+    data = data_strategy(strategy)  # the theory of the data-parallel ranks' strategy, over dp x cp of them
     ac = ac or cfg.train.activation_checkpointing
     checkpointed = checkpointed_fraction(ac, shape["n_layer"], cfg.train.ac_every)
     knobs = {k: cfg.parallel.get(k, v) for k, v in KNOBS.items()}
+    method = knobs["cp_method"]
     t = cfg.train
     # auto: bf16 working weights where the strategy keeps a working copy and the run computes in bf16 (config.py)
-    knobs["param_dtype"] = config.working_dtype(knobs["param_dtype"], DATA[strategy], cfg.parallel.impl,
+    knobs["param_dtype"] = config.working_dtype(knobs["param_dtype"], DATA[data], cfg.parallel.impl,
                                                 "float32" if t.dtype == "float32" else "bfloat16")
-    dp = world // tp
+    dp = world // (tp * cp)
+    n = dp * cp  # the ranks gradients are reduced over
     accum = t.global_batch_size // (t.micro_batch_size * dp)
     # auto: bf16 autocast, as on any GPU this plans for; bf16 working weights compute in bf16 whatever train.dtype
     act_bytes = 2 if knobs["param_dtype"] == "bfloat16" else DTYPE_BYTES.get(t.dtype, 2)
     P = params_per_rank(shape, tp)
-    state = state_bytes(strategy, P, dp, optimizer_bytes(cfg.optim), knobs)
-    comm = comm_bytes(strategy, P, accum, knobs, shape, t.micro_batch_size, t.seq_len, act_bytes, tp, dp)
-    kept, recompute = activation_bytes(shape, t.micro_batch_size, t.seq_len, act_bytes, tp,
-                                       knobs["sequence_parallel"], checkpointed)
-    memory = {**state, "transient": transient_bytes(strategy, shape, P, accum, knobs, tp, dp),
+    state = state_bytes(data, P, n, optimizer_bytes(cfg.optim), knobs)
+    local_seq = t.seq_len // cp  # what each rank's tensor parallel moves
+    comm = comm_bytes(data, P, accum, knobs, shape, t.micro_batch_size, local_seq, act_bytes, tp, n)
+    if cp > 1:
+        comm.update(cp_comm_bytes(shape, t.micro_batch_size, t.seq_len, act_bytes, accum, cp, method, tp,
+                                  checkpointed))
+    kept, recompute = cp_activation_bytes(shape, t.micro_batch_size, t.seq_len, act_bytes, cp, method, tp,
+                                          knobs["sequence_parallel"], checkpointed)
+    memory = {**state, "transient": transient_bytes(data, shape, P, accum, knobs, tp, n),
               "activations": kept + recompute,
               "autocast copies": autocast_copy_bytes(shape, P, tp) if act_bytes == 2 and
               knobs["param_dtype"] == "float32" else 0}
-    out = {"strategy": strategy, "tp": tp, "dp": dp, "accum": accum, "ac": ac,
+    if cp > 1 and method == "ring":
+        # parallel/cp.py computes each block's scores explicitly (no flash kernel): in backward about three fp32
+        # (b, H/tp, 2C, 2C) matrices at once (probabilities, their gradient, the scores')
+        memory["ring scores"] = 3 * t.micro_batch_size * shape["n_head"] / tp * (t.seq_len // cp) ** 2 * 4
+    dims = {"dp": "dp_cp" if cp > 1 else "dp"}  # as parallel/comm.py files them
+    out = {"strategy": strategy, "tp": tp, "dp": dp, "cp": cp, "accum": accum, "ac": ac,
            "params_per_rank": P, "state": sum(state.values()), "memory": memory, "total_memory": sum(memory.values()),
-           "comm": comm, "comm_total": sum(comm.values()), "knobs": knobs}
+           "comm": Counter({(dims.get(d, d), k): v for (d, k), v in comm.items()}),
+           # as parallel/comm.py's comm_bytes: collectives; the ring's sends and receives apart
+           "comm_total": sum(v for (d, k), v in comm.items() if k != "p2p"), "p2p_total": comm["cp", "p2p"],
+           "knobs": knobs}
+    if cp > 1:
+        out["balance"] = cp_balance(t.seq_len, cp)
     if plan is not None:
-        seconds, parts = step_time(strategy, shape, world, tp, accum, t.micro_batch_size, t.seq_len, comm, knobs,
-                                   checkpointed, plan)
+        seconds, parts = step_time(data, shape, world, tp, accum, t.micro_batch_size, t.seq_len, comm, knobs,
+                                   checkpointed, plan, cp, method, act_bytes)
+        parts["each"] = Counter({(dims.get(d, d), k): v for (d, k), v in parts["each"].items()})
         tokens = t.global_batch_size * t.seq_len
         out.update(step_s=seconds, time=parts, tok_per_s=tokens / seconds,
                    mfu=shape["flops_per_token"] * tokens / seconds / (GPUS[plan.gpu]["peak"] * world),
@@ -374,8 +475,20 @@ def predict_run(run_dir):
     return predict(cfg, start["world_size"])
 
 
-def layout_problem(cfg, shape, world, strategy, tp, plan):
+def layout_problem(cfg, shape, world, strategy, tp, plan, cp=1):
     """Why this layout can't run, or None."""
+    t = cfg.train
+    if cp > 1:
+        if world % (tp * cp):
+            return f"plan.world={world} is not divisible by tp x cp = {tp * cp}"
+        if t.seq_len % (2 * cp):
+            return f"train.seq_len={t.seq_len} does not split into 2 x cp = {2 * cp} chunks"
+        if t.global_batch_size % (t.micro_batch_size * (world // (tp * cp))):
+            return (f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size "
+                    f"({t.micro_batch_size}) x data-parallel ranks ({world // (tp * cp)})")
+        strategy, world = data_strategy(strategy), world // cp  # the rest as for the layout without cp
+        if strategy == "ddp" and world == 1:
+            return None
     if strategy == "single" and world != 1:
         return "single runs on one GPU"
     if strategy in ("ddp", "zero1", "zero2") and world < 2:
@@ -388,7 +501,6 @@ def layout_problem(cfg, shape, world, strategy, tp, plan):
         return f"tp={tp} would span nodes of {plan.gpus_per_node} GPUs (tensor parallelism stays within a node)"
     if shape["n_head"] % tp:
         return f"tp={tp} does not divide the model's {shape['n_head']} heads"
-    t = cfg.train
     if t.global_batch_size % (t.micro_batch_size * (world // tp)):
         return (f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size "
                 f"({t.micro_batch_size}) x data-parallel ranks ({world // tp})")
@@ -396,14 +508,21 @@ def layout_problem(cfg, shape, world, strategy, tp, plan):
 
 
 def candidates(world, plan):
-    """Every (strategy, tp) the theory covers for this world: tp over the divisors of world within a node."""
-    for s in STRATEGIES:
+    """Every (layout, tp, cp) the theory covers for this world: tp over the divisors of world within a node; context
+    parallel over every divisor of world, with DDP or FSDP over dp x cp, and FSDP x TP beside it within a node."""
+    for s in SHARDED:
         if s == "tp":
-            yield s, world
+            yield s, world, 1
         elif s in TP_STRATEGIES:
-            yield from ((s, k) for k in range(2, min(world, plan.gpus_per_node) + 1) if world % k == 0 and k < world)
+            yield from ((s, k, 1) for k in range(2, min(world, plan.gpus_per_node) + 1) if world % k == 0 and k < world)
         else:
-            yield s, 1
+            yield s, 1, 1
+    for cp in range(2, world + 1):
+        if world % cp == 0:
+            yield "cp", 1, cp
+            yield "fsdp_cp", 1, cp
+            yield from (("fsdp_tp_cp", k, cp) for k in range(2, plan.gpus_per_node + 1)
+                        if (world // cp) % k == 0 and k * cp <= plan.gpus_per_node)
 
 
 # --- the command
@@ -434,7 +553,14 @@ def report(cfg, shape):
     plan, t, world = cfg.plan, cfg.train, cfg.plan.world
     chosen = predict(cfg, world, shape=shape, plan=plan)
     gpu = GPUS[plan.gpu]
-    bw = bandwidths(world, chosen["tp"], plan)
+    bw = bandwidths(world, chosen["tp"], plan, chosen["cp"])
+    bw["dp_cp"] = bw["dp"]
+    cp_part, balance = "", ""
+    if chosen["cp"] > 1:
+        zigzag, plain = chosen["balance"]
+        cp_part = f"cp={chosen['cp']} ({chosen['knobs']['cp_method']}) x "
+        balance = (f"; attention pairs per cp rank, max/min: {zigzag:.3f} zig-zag (a plain split: {plain:.2f}); "
+                   f"exposed K, V communication {chosen['time']['exposed cp'] * 1e3:.1f} ms per step")
     nodes = math.ceil(world / plan.gpus_per_node)
     lines = [
         f"model: {shape['n_params'] / 1e9:.3f}B parameters (L={shape['n_layer']}, d={shape['n_embd']}, "
@@ -448,8 +574,8 @@ def report(cfg, shape):
         f"{plan.compute_efficiency:.0%} of peak compute, {plan.link_efficiency:.0%} of link bandwidth",
         "knobs: " + ", ".join(f"{k}={v}" for k, v in chosen["knobs"].items()),
         "",
-        f"layout: parallel={chosen['strategy']} dp={chosen['dp']} x tp={chosen['tp']}, gradient accumulation "
-        f"{chosen['accum']}, {chosen['params_per_rank'] / 1e6:.1f}M parameters per rank",
+        f"layout: parallel={chosen['strategy']} dp={chosen['dp']} x {cp_part}tp={chosen['tp']}, gradient "
+        f"accumulation {chosen['accum']}, {chosen['params_per_rank'] / 1e6:.1f}M parameters per rank{balance}",
         "",
         "memory per rank (GB)",
     ]
@@ -458,8 +584,9 @@ def report(cfg, shape):
         m = p["memory"]
         if ac == "none":
             master = f"   fp32 master {gb(m['master'])}" if "master" in m else ""
+            scores = f"   ring scores {gb(m['ring scores'])}" if "ring scores" in m else ""
             lines += [f"  parameters {gb(m['parameters']):>8}{master}   gradients {gb(m['gradients'])}   optimizer "
-                      f"state {gb(m['optimizer'])}   transient {gb(m['transient'])}"
+                      f"state {gb(m['optimizer'])}   transient {gb(m['transient'])}{scores}"
                       + (f"   bf16 autocast copies of fp32 weights {gb(m['autocast copies'])}"
                          if m["autocast copies"] else "")]
         lines += [f"  activation checkpointing {p['ac']:4s}: activations {gb(m['activations']):>7}, total "
@@ -467,11 +594,11 @@ def report(cfg, shape):
                   f"{'fits' if p['fits'] else 'does NOT fit'}"]
     lines += ["", "communication per step per rank",
               f"  {'dim':4s} {'collective':15s} {'GB':>9s} {'ranks':>6s} {'GB/s':>6s} {'ms':>9s}"]
-    size = {"dp": chosen["dp"], "tp": chosen["tp"]}
+    size = {"dp": chosen["dp"], "tp": chosen["tp"], "cp": chosen["cp"], "dp_cp": chosen["dp"] * chosen["cp"]}
     for (dim, kind), v in sorted(chosen["comm"].items()):
         ms = 1e3 * chosen["time"]["each"][dim, kind]
         lines.append(f"  {dim:4s} {kind:15s} {gb(v):>9} {size[dim]:>6d} {bw[dim] / 1e9:>6.0f} {ms:>9.1f}")
-    lines.append(f"  {'':4s} {'total':15s} {gb(chosen['comm_total']):>9}")
+    lines.append(f"  {'':4s} {'total':15s} {gb(chosen['comm_total'] + chosen['p2p_total']):>9}")
     tm = chosen["time"]
     lines += ["", f"step: compute {tm['compute'] * 1e3:.0f} ms + exposed communication {tm['exposed comm'] * 1e3:.0f} "
                   f"ms (of {tm['comm'] * 1e3:.0f} ms) = {chosen['step_s'] * 1e3:.0f} ms -> "
@@ -483,21 +610,23 @@ def report(cfg, shape):
 
 def ranking(cfg, shape, world, plan):
     rows, skipped = [], []
-    for strategy, tp in candidates(world, plan):
-        problem = layout_problem(cfg, shape, world, strategy, tp, plan)
+    for strategy, tp, cp in candidates(world, plan):
+        problem = layout_problem(cfg, shape, world, strategy, tp, plan, cp)
         if problem:
-            skipped.append(f"{strategy} tp={tp}: {problem}")
+            skipped.append(f"{strategy} tp={tp}{f' cp={cp}' if cp > 1 else ''}: {problem}")
             continue
         for ac in ("none", "full"):
-            rows.append(predict(cfg, world, strategy, tp, ac, shape, plan))
+            rows.append(predict(cfg, world, strategy, tp, ac, shape, plan, cp))
     rows.sort(key=lambda r: (not r["fits"], r["step_s"], r["total_memory"]))
     lines = [f"every layout on {world} GPU(s), fastest first among those that fit (the knobs above):",
-             "| rank | parallel | dp | tp | accum | AC | memory GB | fits | comm GB/step | step ms | exposed comm ms "
-             "| tokens/s | MFU |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| rank | parallel | dp | tp | cp | accum | AC | memory GB | fits | comm GB/step | step ms | exposed comm "
+             "ms | tokens/s | MFU |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(rows, 1):
-        lines.append(f"| {i if r['fits'] else '-'} | {r['strategy']} | {r['dp']} | {r['tp']} | {r['accum']} | "
+        lines.append(f"| {i if r['fits'] else '-'} | {r['strategy']} | {r['dp']} | {r['tp']} | {r['cp']} | "
+                     f"{r['accum']} | "
                      f"{r['ac']} | {r['total_memory'] / 1e9:.1f} | {'yes' if r['fits'] else 'no'} | "
-                     f"{r['comm_total'] / 1e9:.2f} | {r['step_s'] * 1e3:.0f} | {r['time']['exposed comm'] * 1e3:.0f} "
+                     f"{(r['comm_total'] + r['p2p_total']) / 1e9:.2f} | {r['step_s'] * 1e3:.0f} | "
+                     f"{r['time']['exposed comm'] * 1e3:.0f} "
                      f"| {r['tok_per_s']:,.0f} | {r['mfu']:.1%} |")
     return lines + [f"not possible here: {s}" for s in skipped]
 
@@ -534,7 +663,8 @@ def main(argv):
                                         dtype="float32" if cfg.train.dtype == "float32" else "bfloat16")
     if not problem:
         problem = layout_problem(cfg, shape, cfg.plan.world, config.layout_name(cfg.parallel, cfg.plan.world),
-                                 tp_degree(cfg.parallel, cfg.plan.world), cfg.plan)
+                                 tp_degree(cfg.parallel, cfg.plan.world), cfg.plan,
+                                 config.degrees(cfg.parallel, cfg.plan.world)["cp"])
     if problem:
         sys.exit(f"error: {problem}")
     print(report(cfg, shape))

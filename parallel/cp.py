@@ -1,0 +1,286 @@
+"""Context parallelism from scratch: every sequence split over the `cp` ranks of a group, attention computed over the
+whole of it by passing keys and values around a ring (ring attention) or by gathering them (all-gather).
+
+Liu, Zaharia and Abbeel, 2023, "Ring Attention with Blockwise Transformers for Near-Infinite Context"; the Llama 3
+paper (Dubey et al., 2024, sec. 3.3.2) for the load-balanced split and the all-gather variant.
+
+Everything but attention works token by token: the embedding, norms, MLP, head and loss of a rank see only its own
+tokens. Attention needs every earlier token's key and value, and that is all that crosses ranks.
+
+  Split (zig-zag). A sequence of T tokens is cut into 2 cp chunks of C = T / (2 cp); rank i keeps chunks i and
+  2 cp - 1 - i, in that order. Under the causal mask a plain split into cp pieces gives the last rank cp times the
+  first one's work (its queries see the most keys); pairing an early chunk with a late one gives every rank the same
+  number of (query, key) pairs, C^2 (2 cp - 1) + C (C + 1). RoPE uses the tokens' global positions (the model's
+  `positions` argument).
+
+  Ring (`parallel.cp_method=ring`). At step s = 0 .. cp-1 rank i holds the K, V of rank j = i - s (mod cp) and
+  computes its queries' attention to them. Before that block's attention it posts the send of those K, V to rank
+  i+1 and the receive of the next block from rank i-1, so each hop overlaps a block of compute. With zig-zag chunks
+  each block is one of three shapes (`block`): its own (causal), an earlier rank's (all queries, that rank's first
+  chunk, no mask) or a later rank's (its second chunk of queries, all keys, no mask). The partial results are merged
+  by log-sum-exp (the online softmax): out = sum_j exp(lse_j - lse) out_j, lse = log sum_j exp(lse_j).
+  Backward (an autograd.Function) rotates K, V the same way and, one step behind them, the partial dK, dV of the
+  block they belong to; after cp - 1 hops each accumulator is back at its owner. Saved for backward: q, k, v, the
+  output and lse, O(T/cp) per rank; each block's scores are recomputed (flash attention's backward).
+
+  All-gather (`parallel.cp_method=allgather`). One all-gather of K, V per layer, then the ring's blocks over the
+  gathered K, V; backward reduce-scatters dK, dV. Nothing overlaps it and it keeps the whole sequence's K, V for
+  backward, but it is one collective a layer, and K, V are small beside the queries under grouped-query attention:
+  Llama 3's choice.
+
+  Memory per rank: activations of T/cp tokens (1/cp of one process's); the ring holds two K, V blocks at a time;
+  the all-gather keeps the whole sequence's K, V in every layer for backward. This file computes each block's
+  scores explicitly, (B, H, 2C, 2C) floats at a time, where a flash kernel would keep tiles.
+  Communication per layer and step (bytes of K and V of one rank, kv = 2 B (T/cp) d x element size):
+    ring       forward (cp - 1) hops of kv; backward (cp - 1) of kv and (cp - 1) of dK, dV (float32). Each hop is a
+               send and a receive; parallel/comm.py counts both, as p2p on the "cp" dimension.
+    all-gather forward one all-gather of K, V (its output: cp x kv); backward one reduce-scatter (its input: cp x kv).
+  Activation checkpointing recomputes the forward, and its communication, once more in backward.
+
+Loss and gradients. Each rank's loss is the mean over its own tokens; the chunks are equal, so their mean over the
+cp ranks is the sequence's mean, and the gradient of it is the mean of the ranks' gradients: the data-parallel
+strategy reduces gradients over dp x cp (`data_mesh`) as it does over dp. The K, V gradients a rank's queries
+produce for another rank's tokens reach that rank through the ring (or the reduce-scatter) inside backward.
+
+The torch twin, torch.distributed.tensor.experimental.context_parallel, is at the end of this file.
+"""
+import torch
+import torch.distributed as dist
+
+from model import causal_attention
+from parallel import comm
+
+
+# --- the split
+def zigzag_positions(seq_len, cp, rank, device=None):
+    """The global positions rank `rank` holds: chunks rank and 2 cp - 1 - rank of 2 cp equal chunks."""
+    chunks = torch.arange(seq_len, device=device).view(2 * cp, seq_len // (2 * cp))
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]])
+
+
+def plain_positions(seq_len, cp, rank, device=None):
+    """The split zig-zag replaces: one contiguous piece per rank (for comparison: the last rank works most)."""
+    return torch.arange(seq_len, device=device).view(cp, seq_len // cp)[rank]
+
+
+def causal_pairs(positions):
+    """(query, key) pairs a rank holding `positions` computes under the causal mask: each query sees itself and
+    every earlier position."""
+    return int((positions + 1).sum())
+
+
+def block(rank, src, chunk):
+    """Which of this rank's queries attend to which of rank src's keys, with zig-zag chunks of `chunk` tokens:
+    (query slice, key slice, causal). Own block: causal. An earlier rank's chunks are src < rank and
+    2 cp - 1 - src > 2 cp - 1 - rank: every query sees the first whole, none the second. A later rank's: the first
+    chunk of queries sees neither, the second sees both whole."""
+    if src == rank:
+        return slice(None), slice(None), True
+    if src < rank:
+        return slice(None), slice(0, chunk), False
+    return slice(chunk, None), slice(None), False
+
+
+# --- one block of attention, and its backward (float32, on any device)
+def attention_block(q, k, v, causal):
+    """Softmax attention of q to k, v, and its log-sum-exp per query: (out (B, H, Tq, D), lse (B, H, Tq))."""
+    s = (q @ k.transpose(-2, -1)) * q.size(-1) ** -0.5
+    if causal:
+        s = s.masked_fill(_future(s), float("-inf"))
+    lse = s.logsumexp(dim=-1)
+    return (s - lse[..., None]).exp() @ v, lse
+
+
+def attention_block_backward(q, k, v, dout, lse, delta, causal):
+    """Gradients of one block (dq, dk, dv), given the merged output's lse and delta = rowsum(dout * out): the
+    block's probabilities under the final softmax are exp(s - lse), so blocks need nothing from each other."""
+    scale = q.size(-1) ** -0.5
+    s = (q @ k.transpose(-2, -1)) * scale
+    if causal:
+        s = s.masked_fill(_future(s), float("-inf"))
+    p = (s - lse[..., None]).exp()
+    ds = p * (dout @ v.transpose(-2, -1) - delta[..., None])
+    return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, p.transpose(-2, -1) @ dout
+
+
+def _future(s):
+    return torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
+
+
+def merge(out, lse, out_b, lse_b):
+    """Fold a block's (out_b, lse_b) into the running (out, lse) of the same queries, in place."""
+    new = torch.logaddexp(lse, lse_b)
+    out.mul_((lse - new).exp()[..., None]).add_(out_b * (lse_b - new).exp()[..., None])
+    lse.copy_(new)
+
+
+# --- the ring
+class Ring:
+    """Sends to the next rank of the group and receives from the previous one, posted together (one batch, so that
+    NCCL can't deadlock on the cycle) and waited for later."""
+
+    def __init__(self, group):
+        self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+
+    def pass_on(self, t):
+        recv = torch.empty_like(t)
+        ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=(self.rank + 1) % self.size),
+               dist.P2POp(dist.irecv, recv, group=self.group, group_peer=(self.rank - 1) % self.size)]
+        return recv, dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def wait(works):
+        for w in works:
+            w.wait()
+
+
+def forward_block(q32, kv, rank, src, out, lse):
+    """Fold this rank's queries' attention to rank src's K, V (kv: (2, B, H, 2C, D)) into (out, lse)."""
+    qs, ks, causal = block(rank, src, q32.size(2) // 2)
+    out_b, lse_b = attention_block(q32[:, :, qs], kv[0][:, :, ks].float(), kv[1][:, :, ks].float(), causal)
+    merge(out[:, :, qs], lse[:, :, qs], out_b, lse_b)
+
+
+def backward_block(q32, kv, dout, lse, delta, rank, src, dq):
+    """Add this block's part of dq into dq; return its part of rank src's dK, dV, (2, B, H, 2C, D) float32."""
+    qs, ks, causal = block(rank, src, q32.size(2) // 2)
+    dq_b, dk_b, dv_b = attention_block_backward(q32[:, :, qs], kv[0][:, :, ks].float(), kv[1][:, :, ks].float(),
+                                                dout[:, :, qs], lse[:, :, qs], delta[:, :, qs], causal)
+    dq[:, :, qs] += dq_b
+    g = torch.zeros_like(kv, dtype=torch.float32)
+    g[0][:, :, ks], g[1][:, :, ks] = dk_b, dv_b
+    return g
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's zig-zag queries to the whole sequence's keys; q, k, v (B, H, 2C, D)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        ring = Ring(group)
+        with torch.autocast(q.device.type, enabled=False):
+            q32 = q.float()
+            kv = torch.stack([k, v])  # one message per hop, in the activations' dtype
+            out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+            for s in range(ring.size):
+                if s + 1 < ring.size:  # the next block travels while this one is computed
+                    incoming, works = ring.pass_on(kv)
+                forward_block(q32, kv, ring.rank, (ring.rank - s) % ring.size, out, lse)
+                if s + 1 < ring.size:
+                    ring.wait(works)
+                    kv = incoming
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group = group
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring = Ring(ctx.group)
+        n, rank = ring.size, ring.rank
+        q32, dout = q.float(), dout.float()
+        delta = (dout * out).sum(-1)
+        dq = torch.zeros_like(q32)
+        kv = torch.stack([k, v])
+        own = travelling = acc_works = None
+        for s in range(n):
+            if s + 1 < n:
+                incoming, works = ring.pass_on(kv)
+            g = backward_block(q32, kv, dout, lse, delta, rank, (rank - s) % n, dq)  # of the block held
+            if s == 0:
+                own = g  # kept here; the other ranks' parts come back round the ring at the end
+            else:
+                if acc_works is not None:  # the block's accumulator, from the rank that held it one step ago
+                    ring.wait(acc_works)
+                    g += travelling
+                # on to the rank that holds this block next (after the last step: its owner)
+                travelling, acc_works = ring.pass_on(g)
+            if s + 1 < n:
+                ring.wait(works)
+                kv = incoming
+        if acc_works is not None:
+            ring.wait(acc_works)
+            own += travelling
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None
+
+
+# --- all-gather
+class AllGatherAttention(torch.autograd.Function):
+    """The same blocks as the ring's, with every rank's K, V gathered at once (one all-gather) instead of passed
+    round; backward sums each rank's dK, dV pieces back to it (one reduce-scatter). Saves the gathered K, V."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        n, rank = dist.get_world_size(group), dist.get_rank(group)
+        with torch.autocast(q.device.type, enabled=False):
+            kv = torch.stack([k, v])
+            gathered = torch.empty((n * 2,) + kv.shape[1:], dtype=kv.dtype, device=kv.device)
+            dist.all_gather_single(gathered, kv, group=group)
+            gathered = gathered.view(n, *kv.shape)  # rank r's K, V at [r]
+            q32 = q.float()
+            out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+            for s in range(n):  # the ring's order, so the merge rounds alike
+                src = (rank - s) % n
+                forward_block(q32, gathered[src], rank, src, out, lse)
+        ctx.save_for_backward(q, gathered, out, lse)
+        ctx.group = group
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, gathered, out, lse = ctx.saved_tensors
+        n, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        q32, dout = q.float(), dout.float()
+        delta = (dout * out).sum(-1)
+        dq = torch.zeros_like(q32)
+        grads = torch.stack([backward_block(q32, gathered[src], dout, lse, delta, rank, src, dq) for src in range(n)])
+        own = torch.empty(grads.shape[1:], dtype=torch.float32, device=q.device)
+        dist.reduce_scatter_single(own, grads.view((n * 2,) + grads.shape[2:]), group=ctx.group)
+        return dq.to(q.dtype), own[0].to(q.dtype), own[1].to(q.dtype), None
+
+
+# --- applying it
+def apply_cp(model, mesh, p):
+    """Split every sequence the model is given with targets over the mesh's cp ranks (zig-zag), and put the ring's
+    (or the all-gather's) attention in every block. Called without targets (sampling), the model runs whole
+    sequences on every rank, with plain causal attention."""
+    group = mesh.get_group("cp")
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    # whether the forward under way runs on this rank's pieces of sequences; a recomputing backward (activation
+    # checkpointing) runs after the forward that set it
+    state = {"split": False}
+
+    def attend(q, k, v):
+        if not state["split"]:
+            return causal_attention(q, k, v)
+        method = RingAttention if p.cp_method == "ring" else AllGatherAttention
+        return method.apply(q, k, v, group)
+
+    for b in model.blocks:
+        b.attn.attend = attend
+
+    def split(module, args, kwargs):
+        idx, targets = args[0], args[1] if len(args) > 1 else kwargs.get("targets")
+        state["split"] = targets is not None
+        if targets is None:
+            return None
+        pos = zigzag_positions(idx.size(1), n, rank, idx.device)
+        return (idx[:, pos], targets[:, pos]), {**{k: v for k, v in kwargs.items() if k != "targets"},
+                                                "positions": pos}
+    model.register_forward_pre_hook(split, with_kwargs=True)
+    return model
+
+
+def data_mesh(mesh):
+    """The mesh the data-parallel strategies see: ("dp", "tp") with dp x cp ranks in "dp", the ranks that share a
+    tp coordinate. Each cp rank's gradients come from its own tokens, so the data-parallel strategy averages them
+    over dp x cp as it would over replicas. Its dp groups are new ones, even where they span every rank (where
+    DeviceMesh would reuse the default group, cp's too), so that comm.py files their bytes apart, under "dp_cp"."""
+    from torch.distributed.device_mesh import DeviceMesh
+    ranks = mesh.mesh.reshape(-1, mesh["tp"].size())  # (dp x cp, tp)
+    group, _ = dist.new_subgroups_by_enumeration(ranks.t().tolist())  # every rank creates every group
+    comm.name_groups({group: "dp_cp"})
+    return DeviceMesh.from_group([group, mesh.get_group("tp")], mesh.device_type, mesh=ranks,
+                                 mesh_dim_names=("dp", "tp"))
