@@ -188,7 +188,8 @@ def run(cfg, run_dir):
                  **par.dims, "flops_per_token": flops_per_token, "tokens_per_step": tokens_per_step,
                  "grad_accum": accum, "device": device, "dtype": dtype, "parallel": name, "data": cfg.parallel.data,
                  "impl": cfg.parallel.impl, "param_dtype": p.param_dtype,
-                 "fused": bool(par.data.local_optimizer.param_groups[0].get("fused")), "compile": t.compile, "mem_mb_before_model": mem_before_model})
+                 "fused": bool(par.data.local_optimizer.param_groups[0].get("fused")), "compile": t.compile,
+                 "mem_mb_before_model": mem_before_model})
     print0(f"model: {n_params / 1e6:.2f}M parameters, vocab {mcfg.vocab_size} (padded {mcfg.padded_vocab_size}) | "
            f"data: {len(train_tokens):,} train / {len(val_tokens):,} val tokens | {device} {dtype} | "
            f"{world} rank(s) {name} ({' x '.join(f'{k}={v}' for k, v in par.dims.items())}), "

@@ -83,7 +83,7 @@ def assert_tracks(run_dir, ref_dir, tol, what):
 def test_bf16_tracks_float32_and_its_twin(single, runs, strategy, impl):
     run_dir = runs[strategy, impl]
     start = read_metrics(run_dir)[0]
-    working = config.working_dtype("auto", strategy if strategy != "tp" else "ddp", impl, "bfloat16")
+    working = config.working_dtype("auto", plan.DATA[strategy], impl, "bfloat16")
     assert (start["dtype"], start["param_dtype"], start["grad_accum"]) == ("bfloat16", working, 8 // start["dp"])
     assert_tracks(run_dir, single, TO_FP32, f"{strategy}/{impl} bf16 vs float32")
     if impl == "scratch" or (strategy, impl) in TWIN:
