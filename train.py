@@ -156,7 +156,8 @@ def run(cfg, run_dir):
     tokens_per_step = t.global_batch_size * t.seq_len
     reduce_bytes = config.DTYPES[cfg.parallel.reduce_dtype].itemsize
     metrics.log({"step": start, "n_params": n_params, "param_bytes": n_params * reduce_bytes, "world_size": world,
-                 **par.dims, "flops_per_token": flops_per_token, "tokens_per_step": tokens_per_step,
+                 **par.dims, **{k: config.degrees(cfg.parallel, world)[k] for k in ("dp_replicate", "dp_shard")},
+                 "flops_per_token": flops_per_token, "tokens_per_step": tokens_per_step,
                  "grad_accum": accum, "device": device, "dtype": dtype, "parallel": name, "data": cfg.parallel.data,
                  "impl": cfg.parallel.impl, "compile": t.compile, "mem_mb_before_model": mem_before_model})
     print0(f"model: {n_params / 1e6:.2f}M parameters, vocab {mcfg.vocab_size} (padded {mcfg.padded_vocab_size}) | "

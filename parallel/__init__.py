@@ -35,11 +35,17 @@ DATA_PARALLEL = {
 
 
 def build_mesh(p, world, device_type):
-    """The (dp, tp) device mesh for `world` ranks; its groups are named for the communication counter."""
+    """The device mesh for `world` ranks over config.DIMS, each split as config.SPLIT says: "dp" is
+    ("dp_replicate", "dp_shard") (HSDP; a factor of 1 is absent), flattened back into "dp", the one group of every
+    data-parallel rank that the data loader and the other strategies see (strategy.dp_mesh). Its groups are named
+    for the communication counter; a flattened dimension last, so that it names a group the same ranks share."""
     from torch.distributed.device_mesh import init_device_mesh
     d = config.degrees(p, world)
-    mesh = init_device_mesh(device_type, tuple(d[k] for k in config.DIMS), mesh_dim_names=config.DIMS)
-    comm.name_groups({mesh.get_group(k): k for k in config.DIMS})
+    names = tuple(n for k in config.DIMS for n in config.SPLIT.get(k, (k,)))
+    mesh = init_device_mesh(device_type, tuple(d[n] for n in names), mesh_dim_names=names)
+    for k, parts in config.SPLIT.items():
+        mesh[parts]._flatten(k)
+    comm.name_groups({mesh.get_group(k): k for k in (*names, *config.SPLIT)})
     return mesh
 
 
@@ -74,7 +80,7 @@ class Parallelized:
 def parallelize(model, p, mesh, make_optimizer, device, train):
     """Apply the strategies to `model` (a GPT on the meta device), in the order above; returns Parallelized.
     The global RNG must be seeded: every layout draws the same initial weights as parallel=single."""
-    dims = {k: mesh[k].size() for k in config.DIMS} if mesh is not None else {k: 1 for k in config.DIMS}
+    dims = {k: mesh.get_group(k).size() for k in config.DIMS} if mesh is not None else {k: 1 for k in config.DIMS}
     # 1. tensor parallel: ours shards the meta model in place; torch's materializes it whole and distributes it
     par_tp = TensorParallel()
     if dims["tp"] > 1:
