@@ -1,13 +1,15 @@
 """Parallel strategies, applied to model.py's GPT from outside (model.py imports nothing from here).
 
 One device mesh, built once from the degrees in `parallel.*` (config.degrees): ("dp", "tp"), tensor parallel inside
-each group of `tp` neighbouring ranks (one node's GPUs, on NVLink), data parallel across the groups. Every strategy
-takes its process groups from it. `parallelize` composes them in one fixed order (torchtitan's):
+each group of `tp` neighbouring ranks (one node's GPUs, on NVLink), data parallel across the groups; "dp" is built as
+("dp_replicate", "dp_shard") (HSDP's replicas of FSDP shard groups; 1 x dp otherwise) and flattened back into "dp".
+Every strategy takes its process groups from it, by name. `parallelize` composes them in one fixed order (torchtitan's):
 
   1. tensor / sequence parallel   parallel/tp.py          over "tp", when tp > 1
   2. activation checkpointing     torch.utils.checkpoint  train.activation_checkpointing
   3. compile                      torch.compile           train.compile
-  4. data parallel + optimizer    parallel/ddp.py, zero.py, fsdp.py over "dp": parallel.data
+  4. data parallel + optimizer    parallel/ddp.py, zero.py, fsdp.py over "dp": parallel.data (HSDP: fsdp.py
+                                  over "dp_shard", replicas across "dp_replicate")
      (ZeRO and FSDP own the optimizer step, so this step builds the optimizer)
 
 Each strategy has two implementations, side by side in its file, chosen with `parallel.impl`: scratch (ours) and
