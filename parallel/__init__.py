@@ -3,7 +3,8 @@
 One device mesh, built once from the degrees in `parallel.*` (config.degrees): ("dp", "tp"), tensor parallel inside
 each group of `tp` neighbouring ranks (one node's GPUs, on NVLink), data parallel across the groups; "dp" is built as
 ("dp_replicate", "dp_shard") (HSDP's replicas of FSDP shard groups; 1 x dp otherwise) and flattened back into "dp".
-Every strategy takes its process groups from it, by name. `parallelize` composes them in one fixed order (torchtitan's):
+Every strategy takes its process groups from it, by name. `parallelize` composes them in one fixed order
+(torchtitan's):
 
   1. tensor / sequence parallel   parallel/tp.py          over "tp", when tp > 1
   2. activation checkpointing     torch.utils.checkpoint  train.activation_checkpointing

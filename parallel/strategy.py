@@ -151,7 +151,8 @@ def clip_shards(grad_shards, max_norm, group=None, device=None, weights=None):
 def clip_grad_norm(data, tp, mesh, max_norm, device):
     """Clip to max_norm (inf: don't) and return the global gradient norm, wherever the gradients live.
 
-    DTensor gradients (torch's FSDP2, HSDP included, and tensor parallel): torch's clipping reduces over their mesh. Whole gradients
+    DTensor gradients (torch's FSDP2, HSDP included, and tensor parallel): torch's clipping reduces over their
+    mesh. Whole gradients
     on one replica: torch's clipping. Otherwise every rank holds pieces: ZeRO's and FSDP's are disjoint over the
     whole mesh, tensor parallel's over tp only (dp replicas hold the same ones after DDP); the tp-replicated norm
     gains weigh 1/tp, so that summed over the tp ranks they count once."""

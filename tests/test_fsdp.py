@@ -202,7 +202,7 @@ def test_peak_memory_a_third_of_ddp(tmp_path):
 @pytest.mark.parametrize("overrides,message", [
     (["parallel.blocks_per_unit=3"], "can't split the model's 2 blocks into equal units"),
     (["parallel.prefetch=4"], "there are 4 units, so at most 3 can be gathered ahead"),
-    (["parallel.param_dtype=float16"], "parallel.param_dtype='float16': expected float32 or bfloat16"),
+    (["parallel.param_dtype=float16"], "parallel.param_dtype='float16': expected auto, float32 or bfloat16"),
     (["train.activation_checkpointing=some"], "expected none, full or every_n"),
 ])
 def test_bad_fsdp_settings(tmp_path, overrides, message):
@@ -273,7 +273,8 @@ def test_hsdp_checkpoints(runs, further, tmp_path, saver, loader):
      "parallel.dp_replicate=2 x parallel.dp_shard=4 = 8, but the data-parallel size is dp=4"),
     (["parallel=fsdp", "parallel.dp_replicate=3"], "parallel.dp_replicate=3 must divide the data-parallel size (dp=4)"),
     (["parallel=zero2", "parallel.dp_replicate=2"], "replicates FSDP's shards (HSDP), but parallel.data=zero2"),
-    (["parallel=ddp", "parallel.dp_shard=2", "parallel.dp_replicate=null"], "replicates FSDP's shards (HSDP), but parallel.data=ddp"),
+    (["parallel=ddp", "parallel.dp_shard=2", "parallel.dp_replicate=null"],
+     "replicates FSDP's shards (HSDP), but parallel.data=ddp"),
     (["parallel=hsdp"], "how many a node has is unknown here"),
     (["parallel=hsdp", "parallel.dp_shard=1", "parallel.tp=2"], "HSDP beside tensor parallelism is not built yet"),
     (["parallel=hsdp", "parallel.dp_shard=0"], "parallel.dp_shard=0 must be at least 1"),
