@@ -228,7 +228,8 @@ def test_hsdp_equal_to_single_and_to_the_plan(single, runs, impl):
     assert_same_weights(run_dir, single)
     start, records = steps(run_dir)
     assert (start["parallel"], start["dp_replicate"], start["dp_shard"]) == ("hsdp", 2, 2)
-    predicted = plan.predict(make_cfg(*small_run(*RUN, *HSDP, *HSDP_IMPL[impl])), 4)
+    # the dtype the run resolved `auto` to (the planner otherwise assumes a GPU's bf16)
+    predicted = plan.predict(make_cfg(*small_run(*RUN, *HSDP, *HSDP_IMPL[impl]), f"train.dtype={start['dtype']}"), 4)
     assert predicted["strategy"] == "hsdp" and predicted["accum"] == start["grad_accum"] == {"scratch": 2,
                                                                                              "torch": 1}[impl]
     assert predicted["state"] == pytest.approx(16 * start["n_params"] / 2, rel=1e-3)
