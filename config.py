@@ -76,7 +76,7 @@ class Parallel:
     dp_shard: Optional[int] = at_least(1)
     dp_replicate: Optional[int] = at_least(1)
     data: str = choice(*DATA_STRATEGIES)
-    impl: str = choice("scratch", "torch")
+    impl: str = choice("scratch", "torch", "deepspeed")
     sequence_parallel: bool = MISSING
     bucket_mb: float = above(0)
     reduce_dtype: str = choice(*DTYPES)
@@ -130,6 +130,15 @@ class Data:
 
 
 @dataclass
+class DryRun:
+    world: Optional[int] = field(default=MISSING, metadata={"min": 1})
+    rank: int = at_least(0)
+    compute: str = choice("auto", "real", "fake")
+    steps: int = at_least(1)
+    memory_gb: float = above(0)
+
+
+@dataclass
 class Checkpoint:
     every: int = at_least(0)
     keep: int = at_least(0)
@@ -152,7 +161,7 @@ class Launcher:
 
 
 SCHEMA = {"train": Train, "parallel": Parallel, "model": Model, "optim": Optim, "data": Data,
-          "checkpoint": Checkpoint, "logger": Logger, "launcher": Launcher}
+          "checkpoint": Checkpoint, "logger": Logger, "launcher": Launcher, "dry_run": DryRun}
 KINDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a string"}
 
 
@@ -228,7 +237,8 @@ def layout_name(p, world):
 
 # the strategies whose weights on a rank are a working copy apart from the float32 master (ours: zero1, zero2,
 # fsdp; torch's: FSDP2's MixedPrecisionPolicy, for zero2 and fsdp). The others compute with the master weights.
-WORKING_COPY = {"scratch": ("zero1", "zero2", "fsdp"), "torch": ("zero2", "fsdp")}
+# DeepSpeed's: none (its bf16 mode is not wired; its working weights stay float32, beside its fp32 master).
+WORKING_COPY = {"scratch": ("zero1", "zero2", "fsdp"), "torch": ("zero2", "fsdp"), "deepspeed": ()}
 
 
 def working_dtype(param_dtype, data, impl, dtype):
@@ -263,6 +273,10 @@ def check_parallel(p, world, model, seq_len, cpu_bf16=True, bf16=True, compile_=
             return ("parallel.param_dtype=bfloat16 with parallel.data=zero1 has no torch twin "
                     "(ZeroRedundancyOptimizer steps the model's own weights); use parallel.impl=scratch, or "
                     "parallel=zero2 parallel.impl=torch (FSDP2's MixedPrecisionPolicy)")
+    if p.impl == "deepspeed":
+        problem = check_deepspeed(p, name, d["tp"], compile_)
+        if problem:
+            return problem
     if p.accumulate != "local" and (p.data != "zero2" or p.impl != "scratch"):
         return (f"parallel.accumulate={p.accumulate} reduce-scatters every micro-step into our ZeRO-2's gradient "
                 f"shard; parallel={name}{' impl=torch' if p.impl == 'torch' else ''} accumulates locally: use "
@@ -335,6 +349,39 @@ def check_hsdp(p, d):
     if replicate > 1 and d["tp"] > 1:
         return (f"parallel.dp_replicate={replicate} with parallel.tp={d['tp']}: HSDP beside tensor parallelism is not "
                 f"built yet; use parallel.dp_replicate=1 (fsdp_tp) or parallel.tp=1")
+    return None
+
+
+def check_dry_run(d, launcher, under_torchrun):
+    """The error message for a dry run (tools/dry_run.py) that can't start, or None. A dry run is one process that
+    plays one rank of d.world; it must never become a real multi-process run."""
+    if under_torchrun or launcher.nproc_per_node:
+        how = "torchrun" if under_torchrun else f"launcher.nproc_per_node={launcher.nproc_per_node}"
+        return (f"dry_run.world={d.world} plays one rank of {d.world} in this one process, but it was started with "
+                f"{how}; run `python train.py ... dry_run.world={d.world}` alone")
+    if not 0 <= d.rank < d.world:
+        return f"dry_run.rank={d.rank} is outside dry_run.world={d.world}: use a rank from 0 to {d.world - 1}"
+    return None
+
+
+def check_deepspeed(p, name, tp, compile_):
+    """parallel.impl=deepspeed (parallel/zero_deepspeed.py): DeepSpeed's ZeRO stages, in float32, over dp alone."""
+    import importlib.util
+    if p.data not in ("zero1", "zero2", "fsdp"):
+        return (f"parallel.impl=deepspeed is DeepSpeed's ZeRO: parallel.data=zero1, zero2 or fsdp (its stage 3); "
+                f"parallel={name} has no DeepSpeed twin, use parallel.impl=scratch or torch")
+    if tp > 1:
+        return f"parallel.impl=deepspeed runs over data parallel alone; parallel.tp={tp}: use parallel.tp=1"
+    for key in ("param_dtype", "reduce_dtype"):
+        if p[key] != "float32":
+            return (f"parallel.{key}={p[key]} with parallel.impl=deepspeed: its twin runs in float32 here; use "
+                    f"parallel.{key}=float32")
+    if p.cpu_offload:
+        return "parallel.cpu_offload=true has no DeepSpeed twin here; use parallel.cpu_offload=false"
+    if compile_:
+        return "train.compile=true with parallel.impl=deepspeed: not wired; use train.compile=false"
+    if importlib.util.find_spec("deepspeed") is None:
+        return "parallel.impl=deepspeed needs DeepSpeed, which is not installed: pip install deepspeed==0.19.8"
     return None
 
 

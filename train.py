@@ -33,7 +33,7 @@ from config import ConfigError
 from data import prepare, shards
 from model import GPT
 from parallel.comm import CommCounter
-from tools import checkpoint, launch, plan
+from tools import checkpoint, dry_run, launch, plan
 from tools.checkpoint import Diverged
 from tools.metrics import Metrics, peak_memory_mb, peak_reserved_mb, profiler
 
@@ -41,7 +41,11 @@ from tools.metrics import Metrics, peak_memory_mb, peak_reserved_mb, profiler
 def check_config(cfg, run_dir, world):
     """config.check's (device, dtype, grad_accum), and the checkpoint to resume from (or None)."""
     resume = checkpoint.resume_from(cfg, run_dir)
-    return (*config.check(cfg, world), resume)
+    checked = config.check(cfg, world)
+    if resume and cfg.parallel.impl == "deepspeed":  # saving works (parallel/zero_deepspeed.py); loading is not wired
+        raise ConfigError(f"parallel.impl=deepspeed can't resume {resume}: resume it with parallel.impl=scratch or "
+                          f"torch (any layout loads it), or set train.resume=none")
+    return (*checked, resume)
 
 
 def lr_at(step, o, max_steps):
@@ -63,6 +67,26 @@ def make_optimizer(model, o):
     # The strategies that shard the optimizer build theirs with this one's class and hyper-parameters, fused included
     fused = o.fused if o.fused is not None else params[0].device.type == "cuda"
     return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=fused or None)
+
+
+def train_step(par, x, y, accum, micro_batch_size, autocast, max_norm):
+    """One optimizer step on this rank's slice (x, y) of the global batch, in `accum` micro-batches: forward,
+    backward, the gradients' last sums, clipping, the step. Returns (the micro-batches' summed loss, the global
+    gradient norm), both left on the device. tools/dry_run.py runs this very step."""
+    loss_sum = torch.zeros((), device=par.device)
+    for micro in range(accum):
+        sl = slice(micro * micro_batch_size, (micro + 1) * micro_batch_size)
+        # only the last micro-step's backward communicates; the others accumulate gradients locally
+        with par.no_sync() if micro < accum - 1 else contextlib.nullcontext(), par.loss_context():
+            with autocast:
+                loss = par.model(x[sl], y[sl])
+            # each micro-batch's mean loss weighs 1/accum: the summed gradient is that of the batch's mean
+            (loss / accum).backward()
+        loss_sum += loss.detach()
+    par.sync_grads()  # what backward leaves unsummed: sequence parallel's norm gains, over tp
+    grad_norm = par.clip_grad_norm(max_norm)
+    par.optimizer.step()
+    return loss_sum, grad_norm
 
 
 @torch.no_grad()
@@ -204,19 +228,7 @@ def run(cfg, run_dir):
             x, y = shards.get_batch(train_tokens, "train", t.seed, step - 1, t.global_batch_size, t.seq_len,
                                     rank // par.dims["tp"], par.dims["dp"])
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            loss_sum = torch.zeros((), device=device)
-            for micro in range(accum):
-                sl = slice(micro * t.micro_batch_size, (micro + 1) * t.micro_batch_size)
-                # only the last micro-step's backward communicates; the others accumulate gradients locally
-                with par.no_sync() if micro < accum - 1 else contextlib.nullcontext(), par.loss_context():
-                    with autocast:
-                        loss = par.model(x[sl], y[sl])
-                    # each micro-batch's mean loss weighs 1/accum: the summed gradient is that of the batch's mean
-                    (loss / accum).backward()
-                loss_sum += loss.detach()
-            par.sync_grads()  # what backward leaves unsummed: sequence parallel's norm gains, over tp
-            grad_norm = par.clip_grad_norm(max_norm)
-            par.optimizer.step()
+            loss_sum, grad_norm = train_step(par, x, y, accum, t.micro_batch_size, autocast, max_norm)
             comm_bytes, comm_by_dim = comm.bytes, dict(comm.by_dim)
             log_step = step % t.log_every == 0 or step == t.max_steps
             state = par.state_bytes() if log_step else None  # after the step, before zero_grad: all resident
@@ -308,6 +320,9 @@ def main(cfg):
     cfg.logger.group = cfg.logger.group or (hc.sweep.dir if sweep else None)
     cfg.logger.name = cfg.logger.name or hc.job.override_dirname or None
     try:
+        if cfg.dry_run.world:  # one rank of a simulated world, in this process, under torch's fake process group
+            dry_run.run(cfg, run_dir, under_torchrun="TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ)
+            return
         problem = launch.check(cfg.launcher, cfg.train.device, under_torchrun="TORCHELASTIC_RUN_ID" in os.environ)
         if problem:
             raise ConfigError(problem)

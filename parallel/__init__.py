@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 import config
-from parallel import comm, ddp, fsdp, tp, zero
+from parallel import comm, ddp, fsdp, tp, zero, zero_deepspeed
 from parallel.strategy import DataParallel, TensorParallel, clip_grad_norm, materialize, state_bytes
 
 # parallel.data x parallel.impl -> the function that applies it over "dp" (and builds the optimizer)
@@ -34,6 +34,10 @@ DATA_PARALLEL = {
     ("zero1", "scratch"): lambda *a: zero.apply_zero(*a, stage=1), ("zero1", "torch"): zero.apply_torch_zero1,
     ("zero2", "scratch"): lambda *a: zero.apply_zero(*a, stage=2), ("zero2", "torch"): zero.apply_torch_zero2,
     ("fsdp", "torch"): fsdp.apply_torch_fsdp,
+    # DeepSpeed's ZeRO stages 1, 2 and 3 (parallel/zero_deepspeed.py)
+    ("zero1", "deepspeed"): lambda *a: zero_deepspeed.apply_deepspeed(*a, stage=1),
+    ("zero2", "deepspeed"): lambda *a: zero_deepspeed.apply_deepspeed(*a, stage=2),
+    ("fsdp", "deepspeed"): lambda *a: zero_deepspeed.apply_deepspeed(*a, stage=3),
 }
 
 

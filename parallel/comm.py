@@ -11,7 +11,7 @@ of every step, and makes torch.compile fall back to eager).
 
 Volume is counted by the full tensor, the convention of the ZeRO paper (Rajbhandari et al., 2020, sec. 7):
   all-reduce of t = 2 * bytes(t)      (a reduce-scatter then an all-gather of t)
-  reduce-scatter  = bytes of its input   all-gather = bytes of its output   broadcast = bytes(t)
+  reduce-scatter  = bytes of its input   all-gather = bytes of its output   broadcast = reduce = bytes(t)
 With Psi = bytes of all parameters in the communicated dtype: DDP moves 2 Psi per step (one all-reduce), ZeRO-1/2
 2 Psi (reduce-scatter + all-gather), ZeRO-3 3 Psi (two all-gathers + one reduce-scatter). Point-to-point sends and
 receives count the bytes of their tensor, as kind "p2p". Each count is also filed under the mesh dimension its
@@ -46,6 +46,7 @@ C10D = {
     "all_gather_single": ("all_gather", "output_tensor", 1), "all_gather_into_tensor": ("all_gather", "output_tensor", 1),
     "all_gather": ("all_gather", "tensor_list", 1),
     "broadcast": ("broadcast", "tensor", 1), "all_to_all_single": ("all_to_all", "input", 1),
+    "reduce": ("reduce", "tensor", 1),  # to one rank (DeepSpeed's ZeRO-1/2 can reduce each partition to its owner)
     "send": ("p2p", "tensor", 1), "recv": ("p2p", "tensor", 1), "isend": ("p2p", "tensor", 1),
     "irecv": ("p2p", "tensor", 1),
 }

@@ -10,6 +10,8 @@ A data-parallel strategy (parallel/ddp.py, zero.py, fsdp.py; parallel.data) is a
   replicas         how many data-parallel ranks hold each such piece: 1, or HSDP's dp_replicate
   grad_pieces()    [(parameter name, gradient piece)] on this rank, for the global norm
   holders(p)       the tensors a checkpoint writes for parameter p: ([(weights, offset)], [(optimizer key, offset)])
+  optimizer_state()  {optimizer key: {state name: tensor}} for those keys (the local optimizer's own state)
+  shape(p)         p's whole (tp-local) shape: its own, unless p is an empty stand-in (DeepSpeed's ZeRO-3)
   reshard()        free what a forward without backward left gathered
   after_load()     make what derives from the holders agree with them once a checkpoint is read (ZeRO's bf16 copy)
   state_tensors()  model state the strategy keeps that no parameter or optimizer state points at (state_bytes)
@@ -47,6 +49,12 @@ class DataParallel:
 
     def holders(self, p):
         return [(p, 0)], [(p, 0)]
+
+    def optimizer_state(self):
+        return self.local_optimizer.state
+
+    def shape(self, p):
+        return tuple(p.shape)
 
     def reshard(self):
         pass
@@ -174,7 +182,7 @@ def state_bytes(data):
     state, in bytes, padding included.
 
     Counted by storage, each at its own dtype's size, so a flat buffer that many views share counts once, and so
-    does its padding."""
+    does its padding. Sizes only: the same under fake tensors (tools/dry_run.py)."""
     inner = data.local_optimizer
     tensors = []
     for p in list(data.module.parameters()) + [p for g in inner.param_groups for p in g["params"]]:
@@ -185,5 +193,5 @@ def state_bytes(data):
     for t in tensors:
         if t is not None:
             st = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
-            storages[st.data_ptr()] = st.nbytes()
+            storages[st._cdata] = st.nbytes()  # the storage itself, not its address: fake tensors have none
     return sum(storages.values())

@@ -4,7 +4,10 @@ Real runs of train.py (torchrun, gloo, CPU, float32): the same seed and global b
 give the same per-step losses and final parameters; the comm counter and state accounting must match theory. ZeRO
 in mixed precision (bf16 working weights, fp32 master weights and moments in the shards): state, communication and
 transient memory equal to the paper's formulas and the planner's, losses within a stated tolerance of float32 and
-of torch's FSDP2 with MixedPrecisionPolicy, checkpoints of fp32 weights that resume bit for bit and reshard."""
+of torch's FSDP2 with MixedPrecisionPolicy, checkpoints of fp32 weights that resume bit for bit and reshard.
+DeepSpeed's ZeRO stages 1, 2 and 3 (parallel.impl=deepspeed), where it is installed: the same steps as single, its
+own state and traffic measured, and its checkpoints resumed by ours."""
+import importlib.util
 import os
 import tempfile
 
@@ -36,6 +39,10 @@ BF16 = ("ddp", "zero2")
 MIXED = [("zero1", "bfloat16", "local", 2), ("zero2", "bfloat16", "local", 2), ("zero2", "bfloat16", "sharded", 2),
          ("zero1", "float32", "local", 4), ("zero2", "float32", "local", 4), ("zero2", "float32", "sharded", 4)]
 SAVER = MIXED[1]  # checkpoints at step 3, from which a run of its own layout and one of another resume
+# DeepSpeed's ZeRO-1, -2 and -3 at world 2. Skipped only where it is not installed: installed and broken fails
+DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+DS = ("zero1", "zero2", "fsdp")
+needs_deepspeed = pytest.mark.skipif(not DEEPSPEED, reason="DeepSpeed is not installed (pip install deepspeed==0.19.8)")
 
 
 def mixed(stage, reduce_dtype, accumulate, *extra):
@@ -50,7 +57,8 @@ def runs(tmp_path_factory):
     dirs = {(s, i, w): str(root / f"{s}-{i}-{w}") for s, i, w in CASES}
     dirs.update({("bf16", s): str(root / f"bf16-{s}") for s in BF16})
     dirs.update({c: str(root / ("mixed-" + "-".join(map(str, c)))) for c in MIXED})
-    dirs.update({k: str(root / k) for k in ("twin", "fp32-sharded", "resumed", "resharded")})
+    dirs.update({k: str(root / k) for k in ("twin", "fp32-sharded", "resumed", "resharded", "ds-resumed")})
+    dirs.update({("deepspeed", s): str(root / f"deepspeed-{s}") for s in DS})
     step3 = f"train.resume={dirs[SAVER]}/checkpoints/step_0000003"
     for world in (2, 4):
         jobs = [(dirs[c], small_run(*RUN, f"parallel={c[0]}", f"parallel.impl={c[1]}")) for c in CASES if c[2] == world]
@@ -62,6 +70,11 @@ def runs(tmp_path_factory):
             jobs += [(dirs["twin"], mixed("zero2", "bfloat16", "local", "parallel.impl=torch")),
                      (dirs["fp32-sharded"], small_run(*RUN, "parallel=zero2", "parallel.accumulate=sharded")),
                      (dirs["resumed"], mixed(*SAVER[:3], step3))]
+            if DEEPSPEED:  # each stage checkpoints at step 3; ours (zero2) resumes ZeRO-3's
+                jobs += [(dirs["deepspeed", s], small_run(*RUN, f"parallel={s}", "parallel.impl=deepspeed",
+                                                          "checkpoint.every=3")) for s in DS]
+                jobs += [(dirs["ds-resumed"], small_run(*RUN, "parallel=zero2", f"train.resume={dirs['deepspeed', 'fsdp']}"
+                                                                                  "/checkpoints/step_0000003"))]
         else:  # SAVER's checkpoint into the other stage, gradient dtype and world size
             jobs += [(dirs["resharded"], mixed("zero1", "float32", "local", step3))]
         torchrun_jobs(world, jobs)
@@ -200,6 +213,67 @@ def test_mixed_precision_checkpoints(runs):
     assert_same_weights(runs["resumed"], saver, atol=0, rtol=0)
 
 
+# ---- DeepSpeed's ZeRO (parallel/zero_deepspeed.py), the third twin ----
+# per rank, bytes per parameter, float32, N ranks: what it keeps across steps (weights, its fp32 master partition,
+# the Adam moments) and the gradients it holds at the step (freed by its step: transient_bytes); ZeRO-1 holds full
+# gradients (4P) through backward and frees all but its partition once the last backward has reduced them
+DS_STATE = {"zero1": lambda N: 4 + 4 / N + 8 / N, "zero2": lambda N: 4 + 4 / N + 8 / N, "fsdp": lambda N: 16 / N}
+DS_GRADS = {"zero1": lambda N: 4 / N, "zero2": lambda N: 4 / N, "fsdp": lambda N: 4 / N}
+# traffic x Psi with accumulation A: ZeRO-1 all-reduces once (2) and all-gathers (1); ZeRO-2 all-reduces its buckets
+# every micro-step; ZeRO-3 gathers twice and reduce-scatters every micro-step
+DS_COMM = {"zero1": lambda A: 3, "zero2": lambda A: 2 * A + 1, "fsdp": lambda A: 3 * A}
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("strategy", DS)
+def test_deepspeed_equal_to_single(single, runs, strategy):
+    """Same data, init and AdamW as single: per-step loss and grad norm within 1e-5 relative (2.5e-7 seen), final
+    weights within assert_same_weights' atol 1e-6 (5.5e-7 seen); state, gradients held and traffic as above."""
+    run_dir = runs["deepspeed", strategy]
+    start, *records = read_metrics(run_dir)
+    assert (start["impl"], start["parallel"], start["dp"]) == ("deepspeed", strategy, 2)
+    assert_same_steps(run_dir, single)
+    assert_same_weights(run_dir, single)
+    P, psi, A = start["n_params"], start["param_bytes"], start["grad_accum"]
+    steps = [r for r in records if "comm_bytes" in r]
+    assert len(steps) == STEPS
+    for r in steps:
+        assert r["state_bytes_max"] == pytest.approx(DS_STATE[strategy](2) * P, rel=0.02)
+        assert r["transient_bytes"] == pytest.approx(DS_GRADS[strategy](2) * P, rel=0.02)
+        assert r["comm_bytes"] == pytest.approx(DS_COMM[strategy](A) * psi, rel=0.02)
+    print(f"deepspeed {strategy} N=2: state {steps[-1]['state_bytes_max'] / P:.2f} B/param + gradients "
+          f"{steps[-1]['transient_bytes'] / P:.2f}, comm {steps[-1]['comm_bytes'] / psi:.3f} Psi")
+
+
+@needs_deepspeed
+def test_deepspeed_checkpoint_resumes_under_ours(runs, single):
+    """DeepSpeed ZeRO-3's step-3 checkpoint (its fp32 master and Adam moments, pieces of each parameter) resumed by
+    our ZeRO-2: steps 4-6 equal to DeepSpeed's own and to single's."""
+    ds, resumed = runs["deepspeed", "fsdp"], runs["ds-resumed"]
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(losses(resumed, key), losses(ds, key)[3:], rtol=1e-5, atol=0)
+        torch.testing.assert_close(losses(resumed, key), losses(single, key)[3:], rtol=1e-5, atol=0)
+    assert_same_weights(resumed, single)
+
+
+@needs_deepspeed
+def test_deepspeed_resume_refused(tmp_path, single):
+    """Resuming into DeepSpeed is refused in one line, before any work (ours resumes its checkpoints)."""
+    ckpt = f"train.resume={single}/checkpoints/step_{STEPS:07d}"
+    with pytest.raises(train.ConfigError, match="parallel.impl=deepspeed can't resume .*parallel.impl=scratch"):
+        train.check_config(make_cfg(*small_run("parallel=zero2", "parallel.impl=deepspeed", ckpt)),
+                           str(tmp_path / "run"), 2)
+
+
+def test_deepspeed_not_installed(tmp_path, monkeypatch):
+    """Without DeepSpeed, one line names the install, before any work."""
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(train.ConfigError) as err:
+        train.check_config(make_cfg(*small_run("parallel=zero1", "parallel.impl=deepspeed")), str(tmp_path / "r"), 2)
+    assert str(err.value) == ("parallel.impl=deepspeed needs DeepSpeed, which is not installed: "
+                              "pip install deepspeed==0.19.8")
+
+
 # ---- in-process checks with a tiny GPT on 2 ranks (torch.multiprocessing, gloo) ----
 
 def _tiny():
@@ -271,7 +345,13 @@ def test_overlap_and_gradients_in_place(strategy):
 @pytest.mark.parametrize("overrides,world,message", [
     (["parallel=ddp"], 1, "needs several processes, but this is one; launch it with `torchrun --nproc_per_node=N"),
     (["parallel=zero1"], 3, "not divisible by micro_batch_size (4) x data-parallel ranks (3)"),
-    (["parallel=ddp", "parallel.impl=deepspeed"], 2, "parallel.impl='deepspeed': expected scratch or torch"),
+    (["parallel=ddp", "parallel.impl=fast"], 2, "parallel.impl='fast': expected scratch, torch or deepspeed"),
+    (["parallel=ddp", "parallel.impl=deepspeed"], 2, "parallel.impl=deepspeed is DeepSpeed's ZeRO: parallel.data="
+                                                     "zero1, zero2 or fsdp (its stage 3); parallel=ddp has no"),
+    (["parallel=fsdp", "parallel.impl=deepspeed", "parallel.tp=2"], 4, "parallel.impl=deepspeed runs over data "
+                                                                       "parallel alone; parallel.tp=2"),
+    (["parallel=zero2", "parallel.impl=deepspeed", "parallel.reduce_dtype=bfloat16"], 2,
+     "parallel.reduce_dtype=bfloat16 with parallel.impl=deepspeed: its twin runs in float32 here"),
     (["parallel=zero2", "parallel.bucket_mb=0"], 2, "parallel.bucket_mb=0 must be positive"),
     (["parallel=zero2", "parallel.reduce_dtype=float16"], 2, "expected float32 or bfloat16"),
     (["parallel=single"], 2, "parallel=single runs in one process, but 2 were launched"),

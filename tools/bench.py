@@ -1,5 +1,5 @@
-"""Benchmark every strategy, ours beside torch's, in one run: throughput, memory and communication,
-and then FSDP's knobs (prefetch, reshard_after_forward, wrap granularity, activation checkpointing).
+"""Benchmark every strategy, ours beside torch's (and DeepSpeed's ZeRO, where it is installed), in one run:
+throughput, memory and communication, and then FSDP's knobs (prefetch, reshard_after_forward, wrap granularity, activation checkpointing).
 
     python -m tools.bench                          # world size 2, gpt_tiny on the default corpus, 2 rounds
     python -m tools.bench --world 4 --rounds 3 -- model=gpt_125m train.seq_len=512
@@ -13,6 +13,7 @@ measured bytes to the ZeRO paper's.
 import argparse
 import contextlib
 import csv
+import importlib.util
 import json
 import os
 import signal
@@ -27,6 +28,8 @@ from tools import plan
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = [("single", None)] + [(s, i) for s in ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "fsdp_tp")
                                  for i in ("scratch", "torch")]
+# DeepSpeed's ZeRO-1, -2 and -3 (parallel/zero_deepspeed.py), the third twin, where it is installed
+DEEPSPEED = [(s, "deepspeed") for s in ("zero1", "zero2", "fsdp")]
 # (label, overrides) for our FSDP, each against the default fsdp row above
 KNOBS = [("prefetch=0", ["parallel.prefetch=0"]),
          ("reshard_after_forward=false", ["parallel.reshard_after_forward=false"]),
@@ -101,6 +104,10 @@ def main():
     if unknown:
         sys.exit(f"error: --strategies {','.join(sorted(unknown))}: expected some of {','.join(presets)}")
     configs = [(s, i) for s, i in CONFIGS if s in chosen]
+    if importlib.util.find_spec("deepspeed") is None:
+        print("deepspeed: not installed, its rows left out (pip install deepspeed==0.19.8)")
+    else:
+        configs += [(s, i) for s, i in DEEPSPEED if s in chosen]
     knobs = KNOBS if "fsdp" in chosen else []
     out = os.path.join(a.out, time.strftime("%Y-%m-%d_%H-%M-%S"))
     os.makedirs(out)  # a new folder: never overwrites an earlier benchmark
@@ -108,7 +115,8 @@ def main():
     jobs = [(s, i, []) for s, i in configs] + [("fsdp", "scratch", o) for _, o in knobs]
     # compiled twins of each configuration (torch's tensor parallel refuses compile: its collectives would run
     # inside the graphs, uncounted)
-    compiled = {c: len(jobs) + n for n, c in enumerate(c for c in configs if not (c[1] == "torch" and "tp" in c[0]))}
+    compiled = {c: len(jobs) + n for n, c in enumerate(c for c in configs
+                                                       if not (c[1] == "torch" and "tp" in c[0]) and c[1] != "deepspeed")}
     if a.compile:
         jobs += [(s, i, ["train.compile=true"]) for s, i in compiled]
     results = {k: [] for k in range(len(jobs))}
@@ -137,7 +145,7 @@ def main():
         start, _, last = results[k][-1]
         world = start["world_size"]
         comm_theory, state_theory = start["comm_theory"], start["state_theory"]
-        torch_tok_s = tok_s(configs.index((strategy, "torch"))) if impl == "scratch" else None
+        torch_tok_s = tok_s(configs.index((strategy, "torch"))) if impl in ("scratch", "deepspeed") else None
         rows.append({
             "strategy": strategy, "impl": impl or "-", "world": world,
             "dp x tp": f"{start['dp']}{dp_split(start)} x {start['tp']}",
@@ -148,6 +156,10 @@ def main():
                 else "refused"} if a.compile else {}),
             "peak_MiB": f"{peak_mib(k):.0f}",
             "state_MiB_per_rank": f"{last['state_bytes_max'] / 2**20:.2f}",
+            "state_B_per_param": f"{last['state_bytes_max'] / start['n_params']:.2f}",
+            # DeepSpeed: the gradients it holds at the step (its step frees them); our FSDP: gathered units
+            "transient_B_per_param": f"{last['transient_bytes'] / start['n_params']:.2f}" if "transient_bytes" in last
+            else "",
             "state_vs_theory": f"{last['state_bytes_max'] / state_theory:.3f}" if state_theory else "",
             "comm_MiB_per_step": f"{last['comm_bytes'] / 2**20:.2f}",
             "comm_in_psi": f"{last['comm_bytes'] / start['param_bytes']:.3f}",
@@ -166,7 +178,9 @@ def main():
     note = (f"{P:,} parameters; theory (ZeRO paper, fp32 Adam): comm 2 Psi for ddp/zero1/zero2, (2 x accumulation "
             f"+ 1) Psi for fsdp (within dp_shard for hsdp, and 2 Psi / dp_shard across dp_replicate); state 16P, "
             f"8P+8P/N, 4P+12P/N, 16P/N (16P/dp_shard); tp and fsdp_tp: the planner's activation "
-            f"volumes and 16 P_local (/dp). peak_MiB: rank 0's "
+            f"volumes and 16 P_local (/dp). deepspeed rows: state is what it keeps across steps, weights + its fp32 "
+            f"master partition + moments (4P + 12P/N; 16P/N for ZeRO-3, fsdp), transient the gradients it holds at the "
+            f"step (4P/N; ZeRO-1 holds 4P through backward); vs_torch is against the same strategy's torch row. peak_MiB: rank 0's "
             f"peak RSS above what it held before the model was built. Overrides: {' '.join(a.overrides) or '(none)'}; "
             f"{a.rounds} round(s).")
     text = markdown(rows) + ("\n\n" + markdown(knob_rows) if knob_rows else "") + "\n\n" + note

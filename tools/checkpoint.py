@@ -145,9 +145,10 @@ def _layout(par):
         if isinstance(p, DTensor):
             out[name] = Entry(tuple(p.shape), tuple(p.shape), (0,) * p.dim(), [], [(p, 0)], dtensor=p)
             continue
-        shape, origin = par.tp.global_layout(name, p)
+        local_shape = par.data.shape(p)
+        shape, origin = par.tp.global_layout(name, p) if par.tp.size > 1 else (local_shape, (0,) * len(local_shape))
         model_h, optim_h = par.data.holders(p)
-        out[name] = Entry(shape, tuple(p.shape), origin, model_h, optim_h)
+        out[name] = Entry(shape, local_shape, origin, model_h, optim_h)
     return out
 
 
@@ -167,7 +168,7 @@ def state_dict(par):
     """This rank's part of the model and optimizer state, under global names, for dcp.save and dcp.load.
     Also returns [(tensor loaded, [tensors to copy it to])] for scalars (Adam's step) that several holders share."""
     sd, copies = {}, []
-    state = par.data.local_optimizer.state
+    state = par.data.optimizer_state()
     for name, e in _layout(par).items():
         if e.dtensor is not None:
             sd[f"model.{name}"] = e.dtensor

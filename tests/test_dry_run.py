@@ -1,0 +1,138 @@
+"""Dry runs at cluster scale (tools/dry_run.py): this pytest process plays one rank of 64 or 512 under torch's fake
+process group, with the real strategies, and the planner's state and communication must equal what it measures,
+within 1%. Fake tensors where the rank's work is large; real ones where it is small, and both agree to the byte.
+`pytest tests/test_dry_run.py -s` prints the ratios."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, make_cfg
+from config import ConfigError
+from tools import dry_run, plan
+
+# one micro-batch per data-parallel rank (no accumulation: under it torch's FSDP2 keeps units gathered between
+# micro-steps, which the planner, ours, does not; the small runs below accumulate); fake tensors (auto would compute
+# tp's 2.5 GB shards for real, slowly), whose step costs its op count
+GPT_1P3B = ["model=gpt_1p3b", "dry_run.world=64", "train.seq_len=64", "train.micro_batch_size=1", "dry_run.steps=1",
+            "dry_run.compute=fake"]
+# the 70B-class shape at world 512, with GPT-2's vocab as the README's table has it; a sequence of 256 (the
+# tensor-parallel bytes scale with it, the planner's and the counter's alike)
+GPT_70B = ["model=gpt_70b", "data=fineweb_edu", "dry_run.world=512", "train.seq_len=256", "train.micro_batch_size=1",
+           "dry_run.steps=1", "dry_run.compute=fake"]
+# the layout's overrides, with a global batch of one sequence per data-parallel rank of 64 or 512
+LAYOUTS = {"ddp": [], "zero1": [], "zero2": [], "fsdp": [], "tp": ["parallel.tp=8"], "fsdp_tp": ["parallel.tp=8"]}
+
+
+def layout(strategy, world):
+    dp = world // 8 if LAYOUTS[strategy] else world
+    return [f"parallel={strategy}", *LAYOUTS[strategy], f"train.global_batch_size={dp}"]
+
+
+def dry(*overrides, rank=3):
+    """One dry run in this process: (what it measured, the planner's prediction)."""
+    cfg = make_cfg(*overrides, f"dry_run.rank={rank}")
+    device, dtype, accum, compute, predicted = dry_run.check(cfg)
+    m = dry_run.measure(cfg, rank, cfg.dry_run.world, compute, device, dtype, accum, cfg.dry_run.steps)
+    print(f"\n{' '.join(overrides)}: {compute} tensors, accumulation {accum}\n" +
+          "\n".join(f"  {w:32s} {a / 1e9:10.4f} GB {b / 1e9:10.4f} GB {dry_run.ratio(a, b)}"
+                    for w, a, b in dry_run.compare(m, predicted)))
+    return m, predicted
+
+
+def assert_planner_equals(m, predicted, state=None):
+    """State and communication within 1%: the total and each (mesh dimension, collective) the planner names."""
+    assert m["state_bytes"] == pytest.approx(state or predicted["state"], rel=0.01)
+    assert m["comm_bytes"] == pytest.approx(predicted["comm_total"], rel=0.01)
+    for key, b in predicted["comm"].items():
+        assert m["comm"].get(key, 0) == pytest.approx(b, rel=0.01), key
+
+
+CASES = [(s, impl) for s in LAYOUTS for impl in ("scratch", "torch") if not (impl == "torch" and s in ("ddp", "zero1"))]
+
+
+@pytest.mark.parametrize("strategy,impl", CASES)
+def test_gpt_1p3b_at_world_64(strategy, impl):
+    """Every strategy, ours and torch's where it runs under the fake backend, as rank 3 of 64: 1.2B parameters, 20 GB of
+    state per rank under DDP, none of it allocated."""
+    m, predicted = dry(*GPT_1P3B, *layout(strategy, 64), f"parallel.impl={impl}")
+    assert m["compute"] == "fake" and m["world_size"] == 64 and m["dims"]["tp"] == (8 if "tp" in strategy else 1)
+    # torch's ZeRO-2 twin is FSDP2 without resharding after forward: its parameters stay sharded between steps
+    # too, so its state is FSDP's 16P/N (README, Data parallelism), its traffic ZeRO-2's
+    state = plan.predict(make_cfg(*GPT_1P3B, *layout("fsdp", 64)), 64)["state"] if (strategy, impl) == ("zero2", "torch") \
+        else None
+    assert_planner_equals(m, predicted, state)
+    if impl == "scratch":  # autograd's saved tensors of one micro-batch, against the planner's count
+        assert m["activation_bytes"] == pytest.approx(predicted["memory"]["activations"], rel=0.01)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp_tp"])
+def test_70b_at_world_512(strategy):
+    """L=80, d=8192 (65.3B parameters) as rank 3 of 512: our FSDP over 512, and over 64 x our tensor parallel 8."""
+    m, predicted = dry(*GPT_70B, *layout(strategy, 512))
+    assert m["compute"] == "fake" and m["n_params"] > 65e9 and m["dims"]["dp"] == (64 if strategy == "fsdp_tp" else 512)
+    assert_planner_equals(m, predicted)
+
+
+def test_real_tensors_measure_what_fake_ones_do():
+    """A small model as rank 5 of 64, computed for real and on fake tensors, with gradient accumulation: the same
+    bytes to the byte, so the fake numbers above are the real code's, and the planner's within 1%."""
+    small = ["model=gpt_tiny", "dry_run.world=64", "train.seq_len=64", "train.micro_batch_size=2",
+             "train.global_batch_size=256", "dry_run.steps=2"]
+    for layout in (["parallel=fsdp"], ["parallel=tp", "parallel.tp=4", "parallel.sequence_parallel=true"]):
+        real, predicted = dry(*small, *layout, rank=5)  # auto: it fits, and computes little
+        fake, _ = dry(*small, *layout, "dry_run.compute=fake", rank=5)
+        assert real["compute"] == "real" and fake["compute"] == "fake"
+        for key in ("state_bytes", "transient_bytes", "activation_bytes", "comm_bytes", "comm"):
+            assert real[key] == fake[key], key
+        assert_planner_equals(real, predicted)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["dry_run.rank=64"], "dry_run.rank=64 is outside dry_run.world=64: use a rank from 0 to 63"),
+    (["dry_run.world=100", "parallel=fsdp_tp", "parallel.tp=8"],
+     "dry_run.world=100: parallel.tp=8 must divide the number of ranks (100)"),
+    (["parallel=ddp", "dry_run.compute=real"], "dry_run.compute=real: rank 0's state, transient and activations "
+                                               "need 19.8 GB (tools/plan.py), over dry_run.memory_gb=4; use "
+                                               "dry_run.compute=fake"),
+    (["parallel=zero1", "parallel.impl=torch"], "parallel.data=zero1 parallel.impl=torch: torch's "
+                                                "DistributedDataParallel does not run under the fake process group"),
+    (["launcher.nproc_per_node=2"], "dry_run.world=64 plays one rank of 64 in this one process, but it was started "
+                                    "with launcher.nproc_per_node=2"),
+    (["dry_run.memory_gb=100000"], "dry_run.memory_gb=100000 is more than this machine's"),
+])
+def test_bad_input_is_one_line(overrides, message):
+    cfg = make_cfg("model=gpt_1p3b", "parallel=fsdp", "dry_run.world=64", "train.seq_len=64",
+                   "train.micro_batch_size=1", "train.global_batch_size=64", *overrides)
+    with pytest.raises(ConfigError) as e:
+        dry_run.check(cfg)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_train_py_entry(tmp_path):
+    """`python train.py ... dry_run.world=N`: the report beside the planner, metrics.jsonl with a real run's keys;
+    under torchrun, one line and nothing started or written."""
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "parallel=fsdp", "dry_run.world=512", "dry_run.rank=7",
+           "train.seq_len=64", "train.micro_batch_size=1", "train.global_batch_size=512"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([*cmd, f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    # gpt_tiny's 1/512 of FSDP fits and computes little: real tensors (the tests above: fake ones)
+    assert "rank 7 of 512" in p.stdout and "losses mean nothing" in p.stdout and "real tensors" in p.stdout
+    state_line = next(line for line in p.stdout.splitlines() if line.strip().startswith("state "))
+    assert float(state_line.split()[-1]) == pytest.approx(1, abs=0.01)  # measured / planner (padding to 512)
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        first, *steps = [json.loads(line) for line in f]
+    assert first["world_size"] == 512 and first["dry_run"] and first["param_bytes"] == 4 * first["n_params"]
+    assert [r["step"] for r in steps] == [1, 2] and all(r["state_bytes"] and r["comm_bytes"] for r in steps)
+    assert steps[-1]["comm_dp_all_gather"] == pytest.approx(2 * first["param_bytes"], rel=0.01)
+    p = subprocess.run([*cmd, f"hydra.run.dir={tmp_path / 'torchrun'}"], capture_output=True, text=True,
+                       env={**env, "TORCHELASTIC_RUN_ID": "x"}, cwd=ROOT, timeout=300)
+    assert p.returncode == 1 and p.stderr.strip().splitlines() == [
+        "error: dry_run.world=512 plays one rank of 512 in this one process, but it was started with torchrun; run "
+        "`python train.py ... dry_run.world=512` alone"]
+    ran = tmp_path / "torchrun"  # Hydra makes the run dir; nothing is written into it
+    assert not os.path.exists(ran) or not os.listdir(ran)
