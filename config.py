@@ -9,8 +9,9 @@ before anything is prepared or written.
 
 The parallel layout is a device mesh of named dimensions whose sizes are numbers in `parallel.*`: `tp` (tensor
 parallel), `cp` (context parallel: each sequence split over ranks) and `dp` (data parallel, with its strategy
-`parallel.data`, which reduces gradients over dp x cp). `degrees()` turns them into sizes for a
-world; `layout_name()` names the result as the planner and metrics do (single, ddp, ..., tp, fsdp_tp).
+`parallel.data`, which reduces gradients over dp x cp), itself `dp_replicate` x `dp_shard` under HSDP (FSDP within
+each shard group, replicas across them). `degrees()` turns them into sizes for a world; `layout_name()` names the
+result as the planner and metrics do (single, ddp, ..., tp, fsdp_tp, hsdp, fsdp_cp).
 """
 import dataclasses
 import shutil
@@ -28,6 +29,8 @@ DATA_STRATEGIES = ("none", "ddp", "zero1", "zero2", "fsdp")
 # the mesh's dimensions, outermost first: rank = (i_dp * cp + i_cp) * tp + i_tp (a tp group is neighbours)
 DIMS = ("dp", "cp", "tp")
 CP_METHODS = ("ring", "allgather")
+# a dimension the mesh holds as several, outermost first (torchtitan's names); the flattened whole keeps its name
+SPLIT = {"dp": ("dp_replicate", "dp_shard")}  # HSDP: i_dp = i_replicate * dp_shard + i_shard (neighbours shard)
 
 
 class ConfigError(ValueError):
@@ -75,6 +78,8 @@ class Parallel:
     tp: Optional[int] = at_least(1)
     cp: Optional[int] = at_least(1)
     cp_method: str = choice(*CP_METHODS)
+    dp_shard: Optional[int] = at_least(1)
+    dp_replicate: Optional[int] = at_least(1)
     data: str = choice(*DATA_STRATEGIES)
     impl: str = choice("scratch", "torch", "deepspeed")
     sequence_parallel: bool = MISSING
@@ -213,17 +218,23 @@ def model_config(cfg, vocab_size):
 # --- the mesh
 def degrees(p, world):
     """{dim: size} for `world` ranks: tp null means every rank, cp null every rank tp leaves; dp null means what
-    the other degrees leave."""
+    the other degrees leave; of dp's two factors (HSDP), a null one is what the other leaves (both null: a shard
+    group of dp, plain FSDP)."""
     tp = world if p.tp is None else p.tp
     cp = max(1, world // max(1, tp)) if p.cp is None else p.cp
     dp = p.dp if p.dp is not None else max(1, world // max(1, tp * cp))
-    return {"dp": dp, "cp": cp, "tp": tp}
+    shard, replicate = p.get("dp_shard"), p.get("dp_replicate", 1)
+    if shard is None:
+        shard = max(1, dp // replicate) if replicate else dp
+    if replicate is None:
+        replicate = max(1, dp // shard)
+    return {"dp": dp, "cp": cp, "tp": tp, "dp_replicate": replicate, "dp_shard": shard}
 
 
 def layout_name(p, world):
-    """The layout as the planner and metrics name it: single, ddp, zero1, zero2, fsdp (one dimension, dp), tp (DDP
-    over dp where dp > 1), fsdp_tp, zero1_tp, zero2_tp; with context parallel, cp alone (DDP over cp) or _cp
-    after the others' name (fsdp_cp, tp_cp)."""
+    """The layout as the planner and metrics name it: single, ddp, zero1, zero2, fsdp (one dimension, dp), hsdp (fsdp
+    with replicas), tp (DDP over dp where dp > 1), fsdp_tp, zero1_tp, zero2_tp, hsdp_tp; with context parallel, cp
+    alone (DDP over cp) or _cp after the others' name (fsdp_cp, tp_cp)."""
     d = degrees(p, world)
     if d["cp"] > 1:
         base = _layout_name_dp_tp(p, d)
@@ -232,6 +243,8 @@ def layout_name(p, world):
 
 
 def _layout_name_dp_tp(p, d):
+    if p.data == "fsdp" and d["dp_replicate"] > 1:
+        return "hsdp" if d["tp"] == 1 else "hsdp_tp"
     if d["tp"] > 1:
         return "tp" if p.data in ("none", "ddp") else f"{p.data}_tp"
     return "single" if p.data == "none" else p.data
@@ -283,6 +296,9 @@ def check_parallel(p, world, model, seq_len, cpu_bf16=True, bf16=True, compile_=
         return (f"parallel.accumulate={p.accumulate} reduce-scatters every micro-step into our ZeRO-2's gradient "
                 f"shard; parallel={name}{' impl=torch' if p.impl == 'torch' else ''} accumulates locally: use "
                 f"parallel.accumulate=local")
+    problem = check_hsdp(p, d)
+    if problem:
+        return problem
     if name == "single":
         return None if world == 1 else \
             f"parallel=single runs in one process, but {world} were launched; pick a parallel strategy"
@@ -339,6 +355,29 @@ def check_parallel(p, world, model, seq_len, cpu_bf16=True, bf16=True, compile_=
                     "this CPU can't do; use parallel.param_dtype=float32")
     if p.param_dtype == "bfloat16" and not bf16:
         return "parallel.param_dtype=bfloat16: this device can't compute in bfloat16; use parallel.param_dtype=float32"
+    return None
+
+
+def check_hsdp(p, d):
+    """dp_replicate x dp_shard: factors of dp, replicas of FSDP alone."""
+    dp, shard, replicate = d["dp"], d["dp_shard"], d["dp_replicate"]
+    if p.get("dp_shard") is None and p.get("dp_replicate", 1) is None:
+        return ("parallel=hsdp shards over each node's ranks, but how many a node has is unknown here (no torchrun "
+                "LOCAL_WORLD_SIZE, launcher.nproc_per_node null); set parallel.dp_shard")
+    if p.get("dp_shard") is None and dp % replicate:
+        return f"parallel.dp_replicate={replicate} must divide the data-parallel size (dp={dp})"
+    if shard * replicate != dp:
+        return (f"parallel.dp_replicate={replicate} x parallel.dp_shard={shard} = {shard * replicate}, but the "
+                f"data-parallel size is dp={dp}")
+    if replicate > 1 and p.data != "fsdp":
+        return (f"parallel.dp_replicate={replicate} replicates FSDP's shards (HSDP), but parallel.data={p.data}; use "
+                f"parallel.data=fsdp, or parallel.dp_replicate=1")
+    if replicate > 1 and d["tp"] > 1:
+        return (f"parallel.dp_replicate={replicate} with parallel.tp={d['tp']}: HSDP beside tensor parallelism is not "
+                f"built yet; use parallel.dp_replicate=1 (fsdp_tp) or parallel.tp=1")
+    if replicate > 1 and d["cp"] > 1:
+        return (f"parallel.dp_replicate={replicate} with parallel.cp={d['cp']}: HSDP beside context parallelism is not "
+                f"built yet; use parallel.dp_replicate=1 (fsdp_cp) or parallel.cp=1")
     return None
 
 

@@ -185,7 +185,8 @@ def run(cfg, run_dir):
     tokens_per_step = t.global_batch_size * t.seq_len
     reduce_bytes = config.DTYPES[cfg.parallel.reduce_dtype].itemsize
     metrics.log({"step": start, "n_params": n_params, "param_bytes": n_params * reduce_bytes, "world_size": world,
-                 **par.dims, "flops_per_token": flops_per_token, "tokens_per_step": tokens_per_step,
+                 **par.dims, **{k: config.degrees(cfg.parallel, world)[k] for k in ("dp_replicate", "dp_shard")},
+                 "flops_per_token": flops_per_token, "tokens_per_step": tokens_per_step,
                  "grad_accum": accum, "device": device, "dtype": dtype, "parallel": name, "data": cfg.parallel.data,
                  "impl": cfg.parallel.impl, "param_dtype": p.param_dtype,
                  "fused": bool(par.data.local_optimizer.param_groups[0].get("fused")), "compile": t.compile,

@@ -2,15 +2,17 @@
 
 One device mesh, built once from the degrees in `parallel.*` (config.degrees): ("dp", "cp", "tp"), tensor parallel
 inside each group of `tp` neighbouring ranks (one node's GPUs, on NVLink), context parallel across cp such groups,
-data parallel across the rest. Every strategy takes its process groups from it. `parallelize` composes them in one
-fixed order (torchtitan's):
+data parallel across the rest; "dp" is built as ("dp_replicate", "dp_shard") (HSDP's replicas of FSDP shard groups;
+1 x dp otherwise) and flattened back into "dp". Every strategy takes its process groups from it, by name.
+`parallelize` composes them in one fixed order (torchtitan's):
 
   1. tensor / sequence parallel   parallel/tp.py          over "tp", when tp > 1
   2. context parallel             parallel/cp.py          over "cp", when cp > 1
   3. activation checkpointing     torch.utils.checkpoint  train.activation_checkpointing
   4. compile                      torch.compile           train.compile
   5. data parallel + optimizer    parallel/ddp.py, zero.py, fsdp.py over "dp" (dp x cp under context parallel):
-     parallel.data (ZeRO and FSDP own the optimizer step, so this step builds the optimizer)
+     parallel.data (HSDP: fsdp.py over "dp_shard" (x cp), replicas across "dp_replicate"; ZeRO and FSDP own the
+     optimizer step, so this step builds the optimizer)
 
 Each strategy has two implementations, side by side in its file, chosen with `parallel.impl`: scratch (ours) and
 torch (PyTorch's: DistributedDataParallel; DDP + ZeroRedundancyOptimizer; FSDP2 fully_shard; DTensor
@@ -25,7 +27,7 @@ import torch
 
 import config
 from parallel import comm, cp, ddp, fsdp, tp, zero, zero_deepspeed
-from parallel.strategy import DataParallel, TensorParallel, clip_grad_norm, materialize, state_bytes
+from parallel.strategy import DataParallel, TensorParallel, clip_grad_norm, dp_mesh, materialize, state_bytes
 
 # parallel.data x parallel.impl -> the function that applies it over "dp" (and builds the optimizer)
 DATA_PARALLEL = {
@@ -41,11 +43,17 @@ DATA_PARALLEL = {
 
 
 def build_mesh(p, world, device_type):
-    """The (dp, cp, tp) device mesh for `world` ranks; its groups are named for the communication counter."""
+    """The device mesh for `world` ranks over config.DIMS, each split as config.SPLIT says: "dp" is
+    ("dp_replicate", "dp_shard") (HSDP; a factor of 1 is absent), flattened back into "dp", the one group of every
+    data-parallel rank that the data loader and the other strategies see (strategy.dp_mesh). Its groups are named
+    for the communication counter; a flattened dimension last, so that it names a group the same ranks share."""
     from torch.distributed.device_mesh import init_device_mesh
     d = config.degrees(p, world)
-    mesh = init_device_mesh(device_type, tuple(d[k] for k in config.DIMS), mesh_dim_names=config.DIMS)
-    comm.name_groups({mesh.get_group(k): k for k in config.DIMS})
+    names = tuple(n for k in config.DIMS for n in config.SPLIT.get(k, (k,)))
+    mesh = init_device_mesh(device_type, tuple(d[n] for n in names), mesh_dim_names=names)
+    for k, parts in config.SPLIT.items():
+        mesh[parts]._flatten(k)
+    comm.name_groups({mesh.get_group(k): k for k in (*names, *config.SPLIT)})
     return mesh
 
 
@@ -81,8 +89,8 @@ class Parallelized:
 def parallelize(model, p, mesh, make_optimizer, device, train):
     """Apply the strategies to `model` (a GPT on the meta device), in the order above; returns Parallelized.
     The global RNG must be seeded: every layout draws the same initial weights as parallel=single."""
-    dims = {k: mesh[k].size() for k in config.DIMS} if mesh is not None else {k: 1 for k in config.DIMS}
-    dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
+    dims = {k: mesh.get_group(k).size() for k in config.DIMS} if mesh is not None else {k: 1 for k in config.DIMS}
+    dp_rank = dp_mesh(mesh).get_local_rank() if mesh is not None else 0
     # 1. tensor parallel: ours shards the meta model in place; torch's materializes it whole and distributes it
     par_tp = TensorParallel()
     if dims["tp"] > 1:

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from config import DTYPES
 from parallel import buckets
-from parallel.strategy import DataParallel
+from parallel.strategy import DataParallel, dp_mesh
 
 
 class DDP(nn.Module):
@@ -103,5 +103,5 @@ def apply_torch_ddp(model, mesh, p, make_optimizer):
         # replicate(), built on FSDP2's machinery, all-reduces their gradients over the dp mesh
         from torch.distributed._composable.replicate_with_fsdp import replicate
         from parallel.fsdp import TorchFSDP
-        return TorchFSDP(replicate(model, mesh=mesh["dp"]), make_optimizer)
+        return TorchFSDP(replicate(model, mesh=dp_mesh(mesh)), make_optimizer)
     return Replicated(torch_ddp(model, mesh, p), make_optimizer, module=model)

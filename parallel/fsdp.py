@@ -10,6 +10,15 @@ Zhao et al., 2023, "PyTorch FSDP"; Rajbhandari et al., 2020 (ZeRO stage 3). P pa
                          gradients (Psi) = 3 Psi; 2 Psi with reshard_after_forward=false, which keeps each unit
                          gathered from its forward to its backward (ZeRO-2's traffic, with more memory held)
 
+HSDP (parallel.dp_replicate > 1; Zhao et al., 2023, sec. 3.2.2, "hybrid sharding"): the N = dp_replicate x dp_shard
+data-parallel ranks form dp_replicate replicas of dp_shard ranks each (a shard group is one node's GPUs, so its
+all-gathers and reduce-scatters stay on the node's links). Everything above runs within the shard group (N there
+is dp_shard: state 16P/dp_shard); each rank's reduced gradient slice is then all-reduced across the replicas (the
+ranks holding the same slice), each reduction's all-reduce started as its reduce-scatter lands, and gradients
+are divided by all N ranks: the mean over every data-parallel rank, as plain FSDP. Per rank per step: 3 Psi within
+the shard group as above, plus an all-reduce of Psi / dp_shard across the replicas, 2 Psi / dp_shard counted, which
+is all that crosses the network between nodes.
+
 Units (parallel.blocks_per_unit): the embedding, every k transformer blocks, the final norm + head. A unit's
 parameters are flattened into one flat space padded to a multiple of N; rank r keeps slice r of it as an fp32 master
 shard. All parameters become views into the unit's gathered buffer, whose storage is resized to 0 when the unit is
@@ -38,7 +47,7 @@ import torch.nn as nn
 
 from config import DTYPES
 from parallel import buckets
-from parallel.strategy import DataParallel, Sharded, owned_segments, sharded_optimizer
+from parallel.strategy import DataParallel, Sharded, dp_mesh, owned_segments, sharded_optimizer
 
 
 def units_of(model, blocks_per_unit):
@@ -55,13 +64,16 @@ class FSDP(Sharded):
 
     def __init__(self, model, make_optimizer, device, blocks_per_unit=1, reshard_after_forward=True, prefetch=1,
                  param_dtype=torch.float32, reduce_dtype=torch.float32, cpu_offload=False, group=None,
-                 init_param=None):
+                 init_param=None, replicate_group=None):
         # init_param(name, tensor) fills a parameter from the meta device (default: model.init_param); tensor
-        # parallelism passes one that fills the local tp shard
+        # parallelism passes one that fills the local tp shard. group: the ranks that shard; replicate_group (HSDP):
+        # the ranks that hold the same shard, across which reduced gradients are all-reduced
         init_param = init_param or model.init_param
         self.model = self.module = model
         self.optimizer = self
         self.group, self.device, self.prefetch = group, torch.device(device), prefetch
+        self.replicate_group = replicate_group
+        self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
         self.reshard_after_forward, self.param_dtype, self.reduce_dtype = reshard_after_forward, param_dtype, \
             reduce_dtype
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -69,7 +81,7 @@ class FSDP(Sharded):
         names = {p: n for n, p in model.named_parameters()}
         on_meta = any(p.is_meta for p in model.parameters())
         self.units, segments = [], {}
-        self.pending_reduce = []
+        self.pending_reduce, self.pending_replicate = [], []
         self.peak_gathered = 0  # most bytes of gathered units (and their gradients in flight) held at once
         self.local_grads = 0  # bytes of the units' gradients accumulated locally between micro-steps (no_sync)
         for name, modules in units_of(model, blocks_per_unit):
@@ -180,7 +192,7 @@ class FSDP(Sharded):
         if self.hooks.sync:  # the last micro-step: reduce-scatter the sum (non-final ones keep it local)
             flat = u.state.pop("acc")
             self.local_grads -= flat.numel() * flat.element_size()
-            flat.div_(self.world)
+            flat.div_(self.world * self.replicas)  # the mean over every data-parallel rank, replicas included
             out = torch.empty(u.numel // self.world, dtype=self.reduce_dtype, device=self.device)
             work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
             self.pending_reduce.append((u, work, flat, out))
@@ -194,6 +206,21 @@ class FSDP(Sharded):
     def _settle(self, pending):
         u, work, flat, out = pending
         work.wait()
+        if self.replicate_group is None:
+            self._accumulate(u, out)
+            return
+        # HSDP: the slice, summed within the shard group, summed again across the replicas that hold it; at most
+        # two in flight, as above (each holds only a slice)
+        self.pending_replicate.append((u, dist.all_reduce(out, group=self.replicate_group, async_op=True), out))
+        while len(self.pending_replicate) > 2:
+            self._settle_replica(self.pending_replicate.pop(0))
+
+    def _settle_replica(self, pending):
+        u, work, out = pending
+        work.wait()
+        self._accumulate(u, out)
+
+    def _accumulate(self, u, out):
         # synchronous when offloaded: the host waits here for the device's stream, so every gather queued from the
         # pinned shards has read them before the step on the CPU writes them
         u.state["grad_shard"].add_(out.to(self.shard_device, torch.float32))
@@ -201,7 +228,9 @@ class FSDP(Sharded):
     def _end_of_backward(self):
         for pending in self.pending_reduce:
             self._settle(pending)
-        self.pending_reduce = []
+        for pending in self.pending_replicate:
+            self._settle_replica(pending)
+        self.pending_reduce, self.pending_replicate = [], []
 
     # --- the optimizer's interface
     def no_sync(self):
@@ -225,10 +254,13 @@ class FSDP(Sharded):
 
 
 def apply_fsdp(model, mesh, p, make_optimizer, device, init_param):
-    """Ours over the mesh's dp group: materializes only this rank's shards of a model on the meta device."""
+    """Ours over the mesh's dp group, or under HSDP over dp_shard with replicas across dp_replicate: materializes
+    only this rank's shards of a model on the meta device."""
+    hsdp = mesh.get_group("dp_replicate").size() > 1
     return FSDP(model, make_optimizer, device, p.blocks_per_unit, p.reshard_after_forward, p.prefetch,
-                DTYPES[p.param_dtype], DTYPES[p.reduce_dtype], p.cpu_offload, group=mesh.get_group("dp"),
-                init_param=init_param)
+                DTYPES[p.param_dtype], DTYPES[p.reduce_dtype], p.cpu_offload,
+                group=mesh.get_group("dp_shard" if hsdp else "dp"), init_param=init_param,
+                replicate_group=mesh.get_group("dp_replicate") if hsdp else None)
 
 
 # --- torch's twin
@@ -249,11 +281,15 @@ class TorchFSDP(DataParallel):
 def apply_torch_fsdp(model, mesh, p, make_optimizer, blocks_per_unit=None, reshard_after_forward=None,
                      param_dtype=None):
     """FSDP2 on the same units as ours (each group of blocks, then the root: embedding, final norm, head), over the
-    mesh's dp dimension. CPU offload pins its buffers only where there is an accelerator to copy to."""
+    mesh's dp dimension; under HSDP over the 2D (dp_replicate, dp_shard) mesh, which FSDP2 takes as replicas of
+    shards (parameters Replicate() x Shard(0)). CPU offload pins its buffers only where there is an accelerator to
+    copy to."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype or p.param_dtype], reduce_dtype=DTYPES[p.reduce_dtype])
     offload = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if p.cpu_offload else OffloadPolicy()
-    kw = dict(mesh=mesh["dp"], mp_policy=mp, offload_policy=offload,
+    hsdp = mesh.get_group("dp_replicate").size() > 1
+    kw = dict(mesh=mesh["dp_replicate", "dp_shard"] if hsdp else dp_mesh(mesh), mp_policy=mp,
+              offload_policy=offload,
               reshard_after_forward=p.reshard_after_forward if reshard_after_forward is None else reshard_after_forward)
     for _, modules in units_of(model, blocks_per_unit or p.blocks_per_unit)[1:-1]:
         fully_shard(modules, **kw)

@@ -7,6 +7,7 @@ A data-parallel strategy (parallel/ddp.py, zero.py, fsdp.py; parallel.data) is a
   local_optimizer  the torch optimizer that holds this rank's state (checkpoints, state accounting)
   no_sync()        the context of a non-final micro-step of gradient accumulation: no gradient communication
   grads_sharded    true where each data-parallel rank holds a disjoint piece of every gradient (ZeRO-2, FSDP)
+  replicas         how many data-parallel ranks hold each such piece: 1, or HSDP's dp_replicate
   grad_pieces()    [(parameter name, gradient piece)] on this rank, for the global norm
   holders(p)       the tensors a checkpoint writes for parameter p: ([(weights, offset)], [(optimizer key, offset)])
   optimizer_state()  {optimizer key: {state name: tensor}} for those keys (the local optimizer's own state)
@@ -33,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 class DataParallel:
     grads_sharded = False
+    replicas = 1
     transient_bytes = None
 
     def __init__(self, model, make_optimizer=None, module=None):
@@ -81,6 +83,13 @@ class TensorParallel:
     def global_layout(self, name, p):
         """(the full parameter's shape, where this rank's piece starts in it)."""
         return tuple(p.shape), (0,) * p.dim()
+
+
+def dp_mesh(mesh):
+    """The mesh of all data-parallel ranks, one dimension: parallel.build_mesh's ("dp_replicate", "dp_shard")
+    flattened (flattening again returns that one; slicing "dp" off the root mesh works too, but torch deprecates
+    it)."""
+    return mesh["dp_replicate", "dp_shard"]._flatten("dp")
 
 
 @torch.no_grad()
@@ -150,7 +159,8 @@ def clip_shards(grad_shards, max_norm, group=None, device=None, weights=None):
 def clip_grad_norm(data, tp, mesh, max_norm, device):
     """Clip to max_norm (inf: don't) and return the global gradient norm, wherever the gradients live.
 
-    DTensor gradients (torch's FSDP2 and tensor parallel): torch's clipping reduces over their mesh. Whole gradients
+    DTensor gradients (torch's FSDP2, HSDP included, and tensor parallel): torch's clipping reduces over their
+    mesh. Whole gradients
     on one replica: torch's clipping. Otherwise every rank holds pieces: ZeRO's and FSDP's are disjoint over the
     whole mesh, tensor parallel's over tp only (dp replicas hold the same ones after DDP); the tp-replicated norm
     gains weigh 1/tp, so that summed over the tp ranks they count once."""
@@ -162,8 +172,9 @@ def clip_grad_norm(data, tp, mesh, max_norm, device):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     pieces = data.grad_pieces()
     group = None if data.grads_sharded else mesh.get_group("tp")  # None: the default group, the whole mesh
+    # HSDP's replicas hold the same pieces: each counts 1/replicas on each of them
     return clip_shards([g for _, g in pieces], max_norm, group, device,
-                       weights=[1 / tp.size if tp.replicated(n) else 1.0 for n, _ in pieces])
+                       weights=[(1 / tp.size if tp.replicated(n) else 1.0) / data.replicas for n, _ in pieces])
 
 
 def state_bytes(data):

@@ -1,13 +1,15 @@
 """FSDP (ZeRO-3), ours and torch's FSDP2: equal to single-process training, 3 Psi per step, 16P/N bytes per rank;
-mixed precision, CPU offload, prefetch, wrap granularity and activation checkpointing."""
+mixed precision, CPU offload, prefetch, wrap granularity and activation checkpointing. HSDP (FSDP within each shard
+group, replicas across): equal to single, its bytes by mesh dimension and its state the planner's, its checkpoints
+loading into other layouts and theirs into it."""
 import pytest
 import torch
 
 import parallel
 import config
 import train
-from conftest import (RUN, STEPS, assert_same_steps, assert_same_weights, losses, make_cfg, read_metrics, small_run,
-                      torchrun, torchrun_jobs)
+from conftest import (RUN, STEPS, assert_same_steps, assert_same_weights, losses, make_cfg,
+                      read_metrics, small_run, torchrun, torchrun_jobs)
 from model import GPT, GPTConfig
 from tools import plan
 
@@ -37,9 +39,23 @@ COMM_CASES = [
 ]
 
 
+# HSDP 2 x 2 at world 4: two replicas of 2-rank shard groups. Ours with gradient accumulation 2 (RUN); torch's with
+# none (micro-batches of 4), where FSDP2's gathers are the textbook ones (under no_sync it keeps units gathered)
+HSDP = ("parallel=hsdp", "parallel.dp_shard=2")
+HSDP_IMPL = {"scratch": (), "torch": ("parallel.impl=torch", "train.micro_batch_size=4")}
+# checkpoints across layouts: each resumes at step STEPS from a checkpoint another layout wrote, and trains to RESUMED
+RESUMED = STEPS + 1
+FURTHER = (f"train.max_steps={RESUMED}", "train.eval_steps=1")
+
+
+def checkpoint_of(run_dir):
+    return f"train.resume={run_dir}/checkpoints/step_{STEPS:07d}"
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every run this file checks, in two torchrun launches (world 2 and world 4)."""
+def runs(tmp_path_factory, single):
+    """Every run this file checks, in two torchrun launches (world 2, then world 4: its HSDP jobs load the
+    checkpoints of single and of a world-2 job, and later jobs of the launch load those of its first)."""
     root = tmp_path_factory.mktemp("fsdp")
     jobs = {2: {}, 4: {}}
     for world in (2, 4):
@@ -51,12 +67,28 @@ def runs(tmp_path_factory):
     for impl in ("scratch", "torch"):
         jobs[2]["offload", impl] = small_run(*RUN, "parallel=fsdp", f"parallel.impl={impl}", "parallel.cpu_offload=true")
     jobs[2]["wrap"] = small_run(*RUN, "parallel=fsdp", "parallel.blocks_per_unit=2")
-    dirs = {}
+    dirs = {key: str(root / "-".join(map(str, key))) for these in jobs.values() for key in these}
+    for impl, extra in HSDP_IMPL.items():
+        dirs["hsdp", impl] = str(root / f"hsdp-{impl}")
+    into = {"single": single, "fsdp torch 2": dirs["equal", "torch", 2]}
+    into.update({f"hsdp {impl}": dirs["hsdp", impl] for impl in HSDP_IMPL})
+    jobs[4].update({("hsdp", impl): small_run(*RUN, *HSDP, *extra) for impl, extra in HSDP_IMPL.items()})
+    # HSDP's checkpoints into ddp and FSDP2 at world 4 (and single, in test_hsdp_checkpoints); theirs into HSDP
+    for saver, loader in CHECKPOINTS:
+        if loader != "single":
+            dirs["resume", saver, loader] = str(root / f"resume-{saver}-{loader}".replace(" ", "_"))
+            jobs[4]["resume", saver, loader] = small_run(*RUN, *FURTHER, *LOADERS[loader], checkpoint_of(into[saver]))
     for world, these in jobs.items():
-        for key in these:
-            dirs[key] = str(root / "-".join(map(str, key)))
         torchrun_jobs(world, [(dirs[k], o) for k, o in these.items()])
-    return dirs
+    return {**dirs, "savers": into}
+
+
+LOADERS = {"single": (), "ddp": ("parallel=ddp",), "fsdp torch": ("parallel=fsdp", "parallel.impl=torch"),
+           "hsdp scratch": HSDP, "hsdp torch": (*HSDP, "parallel.impl=torch")}
+# (who wrote the checkpoint, who loads it): HSDP's ours and torch's, written at world 4, into every other kind of
+# layout; single's (whole tensors) and FSDP2's at world 2 (DTensors, another world size) into HSDP
+CHECKPOINTS = [("hsdp scratch", "ddp"), ("hsdp torch", "fsdp torch"), ("hsdp scratch", "single"),
+               ("hsdp torch", "single"), ("single", "hsdp torch"), ("fsdp torch 2", "hsdp scratch")]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -184,3 +216,71 @@ def test_offload_with_a_dtype_the_cpu_cant(tmp_path, monkeypatch):
     with pytest.raises(train.ConfigError, match="this CPU can't do"):
         train.check_config(make_cfg(*small_run("parallel=fsdp", "parallel.cpu_offload=true",
                                                "parallel.param_dtype=bfloat16")), str(tmp_path / "run"), 2)
+
+
+@pytest.mark.parametrize("impl", ["scratch", "torch"])
+def test_hsdp_equal_to_single_and_to_the_plan(single, runs, impl):
+    """HSDP 2 x 2: per-step loss, grad_norm and final weights equal to single (rtol 1e-5); each rank holds 16P/2;
+    within dp_shard the all-gathers of Psi and the reduce-scatter of Psi, across dp_replicate the all-reduce of
+    Psi/2: each dimension's bytes the planner's within 2%."""
+    run_dir = runs["hsdp", impl]
+    assert_same_steps(run_dir, single)
+    assert_same_weights(run_dir, single)
+    start, records = steps(run_dir)
+    assert (start["parallel"], start["dp_replicate"], start["dp_shard"]) == ("hsdp", 2, 2)
+    # the dtype the run resolved `auto` to (the planner otherwise assumes a GPU's bf16)
+    predicted = plan.predict(make_cfg(*small_run(*RUN, *HSDP, *HSDP_IMPL[impl]), f"train.dtype={start['dtype']}"), 4)
+    assert predicted["strategy"] == "hsdp" and predicted["accum"] == start["grad_accum"] == {"scratch": 2,
+                                                                                             "torch": 1}[impl]
+    assert predicted["state"] == pytest.approx(16 * start["n_params"] / 2, rel=1e-3)
+    assert set(predicted["comm"]) == {("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter"),
+                                      ("dp_replicate", "all_reduce")}
+    assert len(records) == STEPS
+    for r in records:
+        assert r["state_bytes_max"] == pytest.approx(predicted["state"], rel=0.02)
+        for (dim, kind), v in predicted["comm"].items():
+            assert r[f"comm_{dim}_{kind}"] == pytest.approx(v, rel=0.02), (dim, kind)
+        # nothing else moves but the gradient norm's few bytes (ours: one scalar over the world; FSDP2's DTensor
+        # norms over dp_shard)
+        assert r["comm_bytes"] - sum(predicted["comm"].values()) < 200
+
+
+@pytest.fixture(scope="module")
+def further(tmp_path_factory, single):
+    """The reference for the resumed runs: single, from its own step-STEPS checkpoint to RESUMED."""
+    run_dir = str(tmp_path_factory.mktemp("further") / "run")
+    train.run(make_cfg(*small_run(*RUN, *FURTHER, checkpoint_of(single))), run_dir)
+    return run_dir
+
+
+@pytest.mark.parametrize("saver,loader", CHECKPOINTS, ids=[f"{a}->{b}".replace(" ", "_") for a, b in CHECKPOINTS])
+def test_hsdp_checkpoints(runs, further, tmp_path, saver, loader):
+    """A checkpoint saved under HSDP (replicas of shards: ours flat ranges, FSDP2's Replicate x Shard DTensors)
+    loads into ddp, FSDP2 and single, and single's and FSDP2's (world 2) load into HSDP: the step after it
+    equal single's own from its own checkpoint (loss, grad_norm, final weights)."""
+    if loader == "single":
+        run_dir = str(tmp_path / "run")
+        train.run(make_cfg(*small_run(*RUN, *FURTHER, checkpoint_of(runs["savers"][saver]))), run_dir)
+    else:
+        run_dir = runs["resume", saver, loader]
+    assert read_metrics(run_dir)[1]["resumed_from"].endswith(f"step_{STEPS:07d}")
+    assert [r["step"] for r in read_metrics(run_dir) if "loss" in r] == [RESUMED]
+    assert_same_steps(run_dir, further)
+    assert_same_weights(run_dir, further)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["parallel=fsdp", "parallel.dp_replicate=2", "parallel.dp_shard=4"],
+     "parallel.dp_replicate=2 x parallel.dp_shard=4 = 8, but the data-parallel size is dp=4"),
+    (["parallel=fsdp", "parallel.dp_replicate=3"], "parallel.dp_replicate=3 must divide the data-parallel size (dp=4)"),
+    (["parallel=zero2", "parallel.dp_replicate=2"], "replicates FSDP's shards (HSDP), but parallel.data=zero2"),
+    (["parallel=ddp", "parallel.dp_shard=2", "parallel.dp_replicate=null"],
+     "replicates FSDP's shards (HSDP), but parallel.data=ddp"),
+    (["parallel=hsdp"], "how many a node has is unknown here"),
+    (["parallel=hsdp", "parallel.dp_shard=1", "parallel.tp=2"], "HSDP beside tensor parallelism is not built yet"),
+    (["parallel=hsdp", "parallel.dp_shard=0"], "parallel.dp_shard=0 must be at least 1"),
+])
+def test_bad_hsdp_settings(tmp_path, overrides, message):
+    with pytest.raises(train.ConfigError) as err:
+        train.check_config(make_cfg(*small_run(*overrides)), str(tmp_path / "run"), 4)
+    assert message in str(err.value) and "\n" not in str(err.value)

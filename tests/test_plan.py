@@ -3,6 +3,7 @@ record for every strategy at world sizes 1, 2 and 4; its activation count equals
 prints a plan and a ranking, and turns bad input into one line."""
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -39,7 +40,7 @@ LAYOUTS = list(measured_layouts())
 
 
 def test_every_strategy_is_measured():
-    assert {s for s, _ in LAYOUTS} == set(PRESETS)
+    assert {s for s, _ in LAYOUTS} | {s for s, _, _ in SP} == set(PRESETS)  # hsdp: only with a node size, in SP
     assert set(PRESETS) <= set(plan.STRATEGIES)  # the planner has a theory for each
 
 
@@ -53,6 +54,8 @@ SP = [(s, 4, ("parallel.sequence_parallel=true",)) for s in ("tp", "fsdp_tp")]
 SP += [(s, 4, ("parallel.tp=2",)) for s in ("zero1", "zero2")]
 # and mixed-precision ZeRO beside sequence parallel: its activations are bf16 although train.dtype=float32
 SP += [("zero1", 4, ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.param_dtype=bfloat16"))]
+# and HSDP 2 x 2 (its preset shards over a node's ranks, which a forked rank doesn't know: say it)
+SP += [("hsdp", 4, ("parallel.dp_shard=2",))]
 
 
 @pytest.mark.parametrize("strategy,world,extra", [(s, w, ()) for s, w in LAYOUTS] + SP)
@@ -74,6 +77,9 @@ def test_prediction_equals_measurement(tmp_path, strategy, world, extra):
     for r in steps:
         assert r["state_bytes"] == pytest.approx(predicted["state"], rel=0.05)
         assert r["comm_bytes"] == pytest.approx(predicted["comm_total"], rel=0.05)
+        if start["parallel"] == "hsdp":  # by mesh dimension: within dp_shard, and across dp_replicate
+            for (dim, kind), v in predicted["comm"].items():
+                assert r[f"comm_{dim}_{kind}"] == pytest.approx(v, rel=0.02), (dim, kind)
         if start["parallel"] in ("fsdp", "fsdp_tp") and start["grad_accum"] > 1:
             # FSDP's transient under accumulation: every unit's local gradient sum (P x 4 bytes) with the units in
             # flight; the planner once left the sums out (5.6 GB per rank for gpt_1p3b at accumulation 8)
@@ -142,6 +148,29 @@ def plan_cfg(*overrides):
     from hydra import compose, initialize_config_dir
     with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):
         return compose(config_name="plan", overrides=list(overrides))
+
+
+def test_hsdp_what_crosses_nodes():
+    """gpt_1p3b on 2 nodes of 8: HSDP shards within each node (16P/8 per rank, as FSDP over 8) and sends only the
+    all-reduce of its gradient slice, 2 Psi / 8, over the network; FSDP over all 16 sends all of its traffic there
+    (two bf16 all-gathers of Psi / 2, as plan.yaml's train.dtype makes the weights, and the fp32 reduce-scatter of
+    Psi: 2 Psi). The
+    all-reduce rides one NIC per rank, and in the ranking HSDP shards over a node's GPUs."""
+    one_micro = "train.micro_batch_size=32"  # 512 sequences on 16 ranks: no accumulation
+    hsdp = plan.predict(plan_cfg("parallel=hsdp", one_micro), 16, plan=cluster(world=16))
+    fsdp = plan.predict(plan_cfg("parallel=fsdp", one_micro), 16, plan=cluster(world=16))
+    P, psi = hsdp["params_per_rank"], 4 * hsdp["params_per_rank"]  # reduce_dtype float32
+    assert (hsdp["strategy"], hsdp["dp_replicate"], hsdp["dp_shard"]) == ("hsdp", 2, 8)
+    assert hsdp["state"] == pytest.approx(16 * P / 8) and fsdp["state"] == pytest.approx(16 * P / 16)
+    assert hsdp["comm"]["dp_replicate", "all_reduce"] == pytest.approx(2 * psi / 8)
+    assert hsdp["comm"]["dp_shard", "reduce_scatter"] == pytest.approx(psi)
+    assert hsdp["crosses_nodes"] == pytest.approx(2 * psi / 8)
+    assert fsdp["crosses_nodes"] == pytest.approx(fsdp["comm_total"]) and fsdp["comm_total"] == pytest.approx(2 * psi)
+    assert plan.bandwidths(16, 1, cluster(world=16), 8)["dp_replicate"] == plan.NETWORKS["infiniband"]
+    ranked = plan.predict(plan_cfg("parallel=fsdp", one_micro), 16, "hsdp", 1, plan=cluster(world=16))
+    assert ranked["dp_shard"] == 8 and ranked["comm"] == hsdp["comm"]
+    assert plan.layout_problem(plan_cfg("parallel=fsdp"), plan.model_shape(plan_cfg()), 8, "hsdp", 1, cluster()) \
+        == "hsdp needs replicas of dp_shard=8 ranks (plan.world=8: more than one node)"
 
 
 def test_time_model():
@@ -423,7 +452,7 @@ def test_long_context_plan():
                    "train.micro_batch_size=1", "parallel=fsdp", "parallel.cp=8", "plan.world=8")
     assert "layout: parallel=fsdp_cp dp=1 x cp=8 (ring) x tp=1" in out
     assert "1.000 zig-zag (a plain split: 15.00)" in out  # 2 cp - 1: the last rank's queries see the most keys
-    assert "cp   p2p" in out and "dp_cp reduce_scatter" in out
+    assert re.search(r"\n  cp +p2p ", out) and re.search(r"\n  dp_cp +reduce_scatter ", out)
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "rank" not in line]
     fitting = [r for r in rows if r[8].strip() == "yes"]
     assert {int(r[4]) for r in fitting} >= {1, 2, 4, 8}

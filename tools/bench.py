@@ -26,7 +26,7 @@ import time
 from tools import plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = [("single", None)] + [(s, i) for s in ("ddp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp")
+CONFIGS = [("single", None)] + [(s, i) for s in ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "fsdp_tp")
                                  for i in ("scratch", "torch")]
 # DeepSpeed's ZeRO-1, -2 and -3 (parallel/zero_deepspeed.py), the third twin, where it is installed
 DEEPSPEED = [(s, "deepspeed") for s in ("zero1", "zero2", "fsdp")]
@@ -52,7 +52,9 @@ def _descendants(pid):
 
 
 def run_one(strategy, impl, world, overrides, run_dir, timeout=None):
-    args = [*DEFAULTS, f"parallel={strategy}", *overrides, f"hydra.run.dir={run_dir}"]
+    # hsdp: two replicas of world / 2 ranks each, as if the ranks were two nodes (its preset shards over a node's)
+    hsdp = [f"parallel.dp_shard={max(1, world // 2)}"] if strategy == "hsdp" else []
+    args = [*DEFAULTS, f"parallel={strategy}", *hsdp, *overrides, f"hydra.run.dir={run_dir}"]
     if impl:
         args.append(f"parallel.impl={impl}")
     n = 1 if strategy == "single" else world
@@ -145,7 +147,8 @@ def main():
         comm_theory, state_theory = start["comm_theory"], start["state_theory"]
         torch_tok_s = tok_s(configs.index((strategy, "torch"))) if impl in ("scratch", "deepspeed") else None
         rows.append({
-            "strategy": strategy, "impl": impl or "-", "world": world, "dp x tp": f"{start['dp']} x {start['tp']}",
+            "strategy": strategy, "impl": impl or "-", "world": world,
+            "dp x tp": f"{start['dp']}{dp_split(start)} x {start['tp']}",
             "tok_per_s": round(tok_s(k)),
             "vs_torch": ratio(k, configs.index((strategy, "torch"))) if torch_tok_s else "",
             **({"compiled_tok_per_s": round(tok_s(compiled[strategy, impl])) if (strategy, impl) in compiled else "-",
@@ -160,6 +163,7 @@ def main():
             "state_vs_theory": f"{last['state_bytes_max'] / state_theory:.3f}" if state_theory else "",
             "comm_MiB_per_step": f"{last['comm_bytes'] / 2**20:.2f}",
             "comm_in_psi": f"{last['comm_bytes'] / start['param_bytes']:.3f}",
+            "comm_MiB_by_dim": by_dim(last),
             "comm_vs_theory": f"{last['comm_bytes'] / comm_theory:.3f}" if comm_theory else "",
         })
     knob_rows = []
@@ -172,7 +176,8 @@ def main():
                      for label, k in knob_jobs]
     P = results[0][0][0]["n_params"]
     note = (f"{P:,} parameters; theory (ZeRO paper, fp32 Adam): comm 2 Psi for ddp/zero1/zero2, (2 x accumulation "
-            f"+ 1) Psi for fsdp; state 16P, 8P+8P/N, 4P+12P/N, 16P/N; tp and fsdp_tp: the planner's activation "
+            f"+ 1) Psi for fsdp (within dp_shard for hsdp, and 2 Psi / dp_shard across dp_replicate); state 16P, "
+            f"8P+8P/N, 4P+12P/N, 16P/N (16P/dp_shard); tp and fsdp_tp: the planner's activation "
             f"volumes and 16 P_local (/dp). deepspeed rows: state is what it keeps across steps, weights + its fp32 "
             f"master partition + moments (4P + 12P/N; 16P/N for ZeRO-3, fsdp), transient the gradients it holds at the "
             f"step (4P/N; ZeRO-1 holds 4P through backward); vs_torch is against the same strategy's torch row. peak_MiB: rank 0's "
@@ -189,6 +194,23 @@ def main():
             w.writeheader()
             w.writerows(table)
     print(f"\nwritten: {out}/bench.md, " + ", ".join(name for name, _ in tables))
+
+
+def dp_split(start):
+    """ "(dp_replicate x dp_shard)" for an HSDP run, else nothing."""
+    return f" ({start['dp_replicate']} x {start['dp_shard']})" if start.get("dp_replicate", 1) > 1 else ""
+
+
+def by_dim(record):
+    """A log step's collective bytes summed by mesh dimension, in MiB: "dp_shard 1.25, dp_replicate 0.31"."""
+    from parallel.comm import C10D
+    dims = {}
+    for kind in sorted({k for k, _, _ in C10D.values()}):
+        for key, v in record.items():
+            if key.startswith("comm_") and key.endswith(f"_{kind}"):  # comm_<dim>_<kind>, as train.py logs them
+                dim = key[len("comm_"): -len(kind) - 1]
+                dims[dim] = dims.get(dim, 0) + v
+    return ", ".join(f"{d} {v / 2**20:.2f}" for d, v in dims.items())
 
 
 def markdown(rows):

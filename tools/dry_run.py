@@ -49,6 +49,7 @@ from config import ConfigError
 from data import prepare
 from model import GPT
 from parallel.comm import CommCounter
+from parallel.strategy import dp_mesh
 from tools import plan
 
 GB = 1e9
@@ -205,7 +206,7 @@ def measure(cfg, rank, world, compute, device, dtype, accum, steps, on_step=None
                 else contextlib.nullcontext()
             max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
             # random token ids, the same on every rank of a tp group as in a real run; their values don't matter
-            gen = torch.Generator().manual_seed(t.seed + mesh["dp"].get_local_rank())
+            gen = torch.Generator().manual_seed(t.seed + dp_mesh(mesh).get_local_rank())
             tokens = t.micro_batch_size * accum
             with CommCounter() as comm:
                 for step in range(1, steps + 1):

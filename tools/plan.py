@@ -4,6 +4,7 @@ layout and cluster, from each strategy's theory. Pure arithmetic: nothing is all
     python -m tools.plan                       # conf/plan.yaml: gpt_1p3b, parallel=fsdp, 8 H100s over NVLink
     python -m tools.plan model=gpt_1p3b parallel=fsdp parallel.param_dtype=bfloat16 plan.world=64 plan.link=pcie
     python -m tools.plan parallel=fsdp_tp parallel.tp=8 plan.world=64
+    python -m tools.plan parallel=hsdp plan.world=64   # FSDP within each node of 8, replicas across the 8 nodes
     python -m tools.plan --figure1             # the ZeRO paper's Figure 1 from state_bytes, beside the paper's
 
 The settings are conf/plan.yaml: the training config as train.py composes it (model, data for the vocab, parallel,
@@ -13,12 +14,14 @@ world ranked by predicted step time, those that fit first.
 The theory, per rank, with P the parameters a rank computes with (all of them, or 1/tp of the matrices under
 tensor parallelism) and N the data-parallel ranks:
 - state: parameters 4P + gradients 4P + optimizer state (AdamW 8P), each whole or split over N (SHARDED: ZeRO's
-  stages); theory() is this with fp32 Adam, for the tests and the benchmark. ZeRO in mixed precision
+  stages; HSDP splits over its dp_shard ranks only); theory() is this with fp32 Adam, for the tests and the
+  benchmark. ZeRO in mixed precision
   (parallel.param_dtype=bfloat16, parallel/zero.py): working weights 2P + fp32 master 4P/N + gradients in
   reduce_dtype + optimizer state, so 2P + 2P + 12P/N (ZeRO-1) and 2P + 14P/N (ZeRO-2) under bf16 gradients: the
   paper's Figure 1 (`--figure1`).
 - comm: bytes per optimizer step as parallel/comm.py counts them (all-reduce 2x its tensor, reduce-scatter its
-  input, all-gather its output), split by collective and by mesh dimension (dp, tp).
+  input, all-gather its output), split by collective and by mesh dimension (dp, tp; HSDP's dp_shard and
+  dp_replicate), and what of it crosses the network between nodes (`crosses_nodes`).
 - transient: what a strategy holds for a moment beyond that state (FSDP's gathered units; ZeRO-2's full local
   gradients between micro-steps, which parallel.accumulate=sharded trades for a reduce-scatter per micro-step).
 - autocast copies: under bf16 autocast, the bf16 copy of every float32 matmul weight autograd keeps for backward
@@ -77,7 +80,7 @@ def peak_flops(device_name):
 SHARDED = {"single": (), "ddp": (), "zero1": ("optimizer",), "zero2": ("gradients", "optimizer"),
            "fsdp": ("parameters", "gradients", "optimizer"), "tp": (),
            "fsdp_tp": ("parameters", "gradients", "optimizer"), "zero1_tp": ("optimizer",),
-           "zero2_tp": ("gradients", "optimizer")}
+           "zero2_tp": ("gradients", "optimizer"), "hsdp": ("parameters", "gradients", "optimizer")}
 # layouts as config.layout_name names them: each of those, and with context parallel (cp > 1) beside it
 STRATEGIES = tuple(SHARDED) + ("cp", "zero1_cp", "zero2_cp", "fsdp_cp", "tp_cp", "fsdp_tp_cp", "zero1_tp_cp",
                                "zero2_tp_cp")
@@ -86,8 +89,9 @@ TP_STRATEGIES = ("tp", "fsdp_tp", "zero1_tp", "zero2_tp")  # the others have tp 
 KNOBS = {"reduce_dtype": "float32", "param_dtype": "float32", "accumulate": "local", "reshard_after_forward": True,
          "prefetch": 1, "sequence_parallel": False, "cp_method": "ring"}
 ZERO = ("zero1", "zero2", "zero1_tp", "zero2_tp")
-DATA = {"single": "none", "ddp": "ddp", "tp": "ddp", **{s: s.split("_")[0] for s in ("zero1", "zero2", "fsdp",
-                                                                                    "zero1_tp", "zero2_tp", "fsdp_tp")}}
+FSDP = ("fsdp", "fsdp_tp", "hsdp")  # units gathered just in time (HSDP: within each shard group)
+DATA = {"single": "none", "ddp": "ddp", "tp": "ddp", "hsdp": "fsdp",
+        **{s: s.split("_")[0] for s in ("zero1", "zero2", "fsdp", "zero1_tp", "zero2_tp", "fsdp_tp")}}
 
 
 def optimizer_bytes(optim):
@@ -120,7 +124,8 @@ def params_per_rank(shape, tp):
 
 # --- the theory of each strategy: state and communication
 def state_bytes(strategy, P, dp, opt_bytes=8, knobs=KNOBS):
-    """Model state per rank: {parameters, gradients, optimizer: bytes}, for P parameters on this rank's tp slice.
+    """Model state per rank: {parameters, gradients, optimizer: bytes}, for P parameters on this rank's tp slice,
+    sharded over `dp` ranks (HSDP: its dp_shard).
     ZeRO with param_dtype=bfloat16: bf16 working weights (whole), fp32 master weights (sharded, "master"), gradients
     in the wider of param_dtype and reduce_dtype (parallel/zero.py). FSDP's parameters are its fp32 shards whatever
     param_dtype (the gathered bf16 copies are transient)."""
@@ -131,10 +136,11 @@ def state_bytes(strategy, P, dp, opt_bytes=8, knobs=KNOBS):
     return {k: v / dp if k in SHARDED[strategy] + ("master",) else v for k, v in whole.items()}
 
 
-def comm_bytes(strategy, P, accum, knobs=KNOBS, shape=None, micro=0, seq=0, act_bytes=4, tp=1, dp=1):
+def comm_bytes(strategy, P, accum, knobs=KNOBS, shape=None, micro=0, seq=0, act_bytes=4, tp=1, dp=1, shard=None):
     """Bytes per optimizer step per rank, as parallel/comm.py counts them: Counter {(dim, collective): bytes}.
     Non-final micro-steps of gradient accumulation reduce no gradients (no_sync), except under ZeRO-2 with
-    accumulate=sharded, which reduce-scatters every micro-step."""
+    accumulate=sharded, which reduce-scatters every micro-step. HSDP: FSDP's traffic within the `shard` ranks of
+    dp_shard, and its gradient slice, P / shard, all-reduced across dp_replicate."""
     rb, pb = DTYPE_BYTES[knobs["reduce_dtype"]], DTYPE_BYTES[knobs["param_dtype"]]
     c = Counter()
     if strategy == "ddp" or (strategy == "tp" and dp > 1):  # one all-reduce of the gradients (Li et al., 2020)
@@ -142,9 +148,12 @@ def comm_bytes(strategy, P, accum, knobs=KNOBS, shape=None, micro=0, seq=0, act_
     elif strategy in ZERO:  # reduce-scatter the gradients, all-gather the updated working weights
         c["dp", "reduce_scatter"] += (accum if knobs["accumulate"] == "sharded" else 1) * P * rb
         c["dp", "all_gather"] += P * pb
-    elif strategy in ("fsdp", "fsdp_tp"):  # each micro-step gathers for forward and again for backward
-        c["dp", "all_gather"] += accum * (2 if knobs["reshard_after_forward"] else 1) * P * pb
-        c["dp", "reduce_scatter"] += P * rb
+    elif strategy in FSDP:  # each micro-step gathers for forward and again for backward
+        within = "dp_shard" if strategy == "hsdp" else "dp"
+        c[within, "all_gather"] += accum * (2 if knobs["reshard_after_forward"] else 1) * P * pb
+        c[within, "reduce_scatter"] += P * rb
+        if strategy == "hsdp":
+            c["dp_replicate", "all_reduce"] += 2 * P / shard * rb
     if tp > 1:
         c.update(tp_comm_bytes(shape, micro, seq, act_bytes, accum, knobs["sequence_parallel"], pb))
     return c
@@ -300,7 +309,7 @@ def transient_bytes(strategy, shape, P, accum, knobs, tp, dp=1):
     ZeRO-2 with local gradient accumulation: full local gradients between micro-steps (none with
     accumulate=sharded); ZeRO with bf16 gradients: their float32 copy for the step, 4P/N; the larger of the two, as
     parallel/zero.py measures it (buffers of a bucket or two in reduction left out)."""
-    if strategy in ("fsdp", "fsdp_tp"):
+    if strategy in FSDP:  # HSDP: the same (its reduced slices in the all-reduce left out, as the reduce-scatters')
         unit = shape["vocab"] * shape["n_embd"] / tp
         pb, rb = DTYPE_BYTES[knobs["param_dtype"]], DTYPE_BYTES[knobs["reduce_dtype"]]
         gathered = (1 + knobs["prefetch"]) * unit if knobs["reshard_after_forward"] else P
@@ -326,21 +335,36 @@ def autocast_copy_bytes(shape, P, tp):
 
 
 # --- time
-def bandwidths(world, tp, plan, cp=1):
-    """Bytes/s each way for a collective over each mesh dimension. tp stays within a node. A dp group within one
-    node rides the node's links; one that spans nodes crosses the network, where NCCL spreads the traffic over the
-    NICs of the group's GPUs in each node (one per GPU): k GPUs per node give k x NIC bandwidth, capped by the
-    in-node link (a hierarchical ring: reduce-scatter within the node, then across nodes, 1/k of it per NIC)."""
-    gpu, n = GPUS[plan.gpu], plan.gpus_per_node
-    intra = gpu[plan.link]
-    dp_bw = intra if world <= n else min(intra, (n // tp) * NETWORKS[plan.network])
-    # a cp group: every tp-th GPU of cp x tp neighbours; across nodes one NIC per GPU carries its own hops
-    cp_bw = intra if tp * cp <= n else min(intra, NETWORKS[plan.network])
-    return {"tp": intra, "dp": dp_bw, "cp": cp_bw}
+def group_spans(world, tp, shard, plan, cp=1):
+    """{dim: ranks of its group in each node it spans, or None where the group lies within one node}. The mesh is
+    row-major (replicate, shard, cp, tp): a tp group is neighbours, a cp group ranks tp apart (one GPU per node
+    when it spans nodes: each carries its own hops), a dp_shard group ranks cp x tp apart, a dp_replicate group
+    ranks shard x cp x tp apart; dp is all of the data-parallel ranks (under cp, the dp x cp they reduce over)."""
+    n = plan.gpus_per_node
+    return {"tp": None, "dp": None if world <= n else n // tp, "cp": None if cp * tp <= n else 1,
+            "dp_shard": None if shard * cp * tp <= n else max(1, n // (cp * tp)),
+            "dp_replicate": None if world <= n else max(1, n // (shard * cp * tp))}
+
+
+def bandwidths(world, tp, plan, shard=None, cp=1):
+    """Bytes/s each way for a collective over each mesh dimension. tp stays within a node. A group within one node
+    rides the node's links; one that spans nodes crosses the network, where NCCL spreads the traffic over the NICs of
+    the group's GPUs in each node (one per GPU): k GPUs per node give k x NIC bandwidth, capped by the in-node link
+    (a hierarchical ring: reduce-scatter within the node, then across nodes, 1/k of it per NIC). HSDP's dp_replicate
+    groups hold one GPU per node when dp_shard is a node: one NIC's rate each."""
+    intra = GPUS[plan.gpu][plan.link]
+    return {dim: intra if k is None else min(intra, k * NETWORKS[plan.network])
+            for dim, k in group_spans(world, tp, shard or world // tp, plan, cp).items()}
+
+
+def crosses_nodes(comm, world, tp, shard, plan, cp=1):
+    """Of comm's bytes, those of collectives whose groups span nodes (each rank's, counted as comm counts them)."""
+    spans = group_spans(world, tp, shard, plan, cp)
+    return sum(v for (dim, _), v in comm.items() if spans.get(dim) is not None)
 
 
 def step_time(strategy, shape, world, tp, accum, micro, seq, comm, knobs, checkpointed, plan, cp=1,
-              cp_method="ring", act_bytes=2):
+              cp_method="ring", act_bytes=2, shard=None):
     """(seconds per optimizer step, {what: seconds}). Compute: FLOPs of the rank's share at compute_efficiency x
     peak; forward 1/3, backward 2/3 of 6N + attention (model.flops_per_token), plus the forward of the blocks
     activation checkpointing recomputes. A collective of `counted` bytes over n ranks takes
@@ -352,6 +376,8 @@ def step_time(strategy, shape, world, tp, accum, micro, seq, comm, knobs, checkp
                      the all-gather of updated weights follows the step, exposed
       fsdp, fsdp_tp  with prefetch, each micro-step's gathers run during its forward and backward, the
                      reduce-scatter during the last backward; prefetch=0 exposes them all
+      hsdp           as fsdp within dp_shard; the all-reduce across replicas joins the last backward's
+                     reduce-scatters (each slice's starts as its reduce-scatter lands)
       tp             the all-reduces sit between the layers that need them: all exposed
       cp ring        each hop of K, V runs while the block before it is computed: per layer and micro-step,
                      (cp - 1) x max(0, hop - one block's attention) in forward, and with dK, dV in backward
@@ -361,8 +387,9 @@ def step_time(strategy, shape, world, tp, accum, micro, seq, comm, knobs, checkp
     rate = gpu["peak"] * plan.compute_efficiency
     fwd = shape["flops_per_token"] * micro * seq / cp / tp / 3 / rate
     bwd = (2 + checkpointed) * fwd
-    bw = bandwidths(world, tp, plan, cp)
-    size = {"dp": dp, "tp": tp, "cp": cp}
+    shard = shard or world // tp
+    bw = bandwidths(world, tp, plan, shard, cp)
+    size = {"dp": world // tp, "tp": tp, "cp": cp, "dp_shard": shard, "dp_replicate": world // tp // shard}
     link = {k: bw[k] * plan.link_efficiency for k in bw}
     # a p2p hop sends and receives at once: counted twice, it takes bytes / 2 over the link one way
     t = Counter({k: v / 2 / link[k[0]] if k[1] == "p2p" else v * (size[k[0]] - 1) / size[k[0]] / link[k[0]]
@@ -385,15 +412,17 @@ def step_time(strategy, shape, world, tp, accum, micro, seq, comm, knobs, checkp
     elif strategy in ZERO:
         n = accum if knobs["accumulate"] == "sharded" else 1  # reduce-scatters per step
         exposed += n * max(0.0, t["dp", "reduce_scatter"] / n - bwd) + t["dp", "all_gather"]
-    elif strategy in ("fsdp", "fsdp_tp"):
-        gather = t["dp", "all_gather"] / accum  # one micro-step's gathers
+    elif strategy in FSDP:
+        within = "dp_shard" if strategy == "hsdp" else "dp"
+        reduce = t[within, "reduce_scatter"] + t["dp_replicate", "all_reduce"]
+        gather = t[within, "all_gather"] / accum  # one micro-step's gathers
         fwd_gather = gather / 2 if knobs["reshard_after_forward"] else gather
         bwd_gather = gather - fwd_gather
         if knobs["prefetch"] == 0:
-            exposed += t["dp", "all_gather"] + t["dp", "reduce_scatter"]
+            exposed += t[within, "all_gather"] + reduce
         else:
             exposed += accum * max(0.0, fwd_gather - fwd) + (accum - 1) * max(0.0, bwd_gather - bwd) \
-                + max(0.0, bwd_gather + t["dp", "reduce_scatter"] - bwd)
+                + max(0.0, bwd_gather + reduce - bwd)
     compute = accum * (fwd + bwd)
     return compute + exposed, {"compute": compute, "exposed comm": exposed, "exposed cp": exposed_cp,
                                "comm": sum(t.values()), "each": t}
@@ -402,6 +431,16 @@ def step_time(strategy, shape, world, tp, accum, micro, seq, comm, knobs, checkp
 # --- one layout, all of it
 def tp_degree(p, world):
     return config.degrees(p, world)["tp"]
+
+
+def shard_degree(cfg, world, strategy, tp, plan=None):
+    """The ranks each parameter is sharded over: the data-parallel ranks (dp x cp), or under HSDP dp_shard: the
+    configured one when the configured layout is hsdp, else (a ranked candidate) one node's GPUs."""
+    if strategy != "hsdp":
+        return world // tp
+    if config.layout_name(cfg.parallel, world) == "hsdp":
+        return config.degrees(cfg.parallel, world)["dp_shard"]
+    return plan.gpus_per_node // tp if plan is not None else world // tp
 
 
 def predict(cfg, world, strategy=None, tp=None, ac=None, shape=None, plan=None, cp=None):
@@ -427,9 +466,10 @@ def predict(cfg, world, strategy=None, tp=None, ac=None, shape=None, plan=None, 
     # auto: bf16 autocast, as on any GPU this plans for; bf16 working weights compute in bf16 whatever train.dtype
     act_bytes = 2 if knobs["param_dtype"] == "bfloat16" else DTYPE_BYTES.get(t.dtype, 2)
     P = params_per_rank(shape, tp)
-    state = state_bytes(data, P, n, optimizer_bytes(cfg.optim), knobs)
+    shard = shard_degree(cfg, world, strategy, tp, plan)  # n, or HSDP's dp_shard
+    state = state_bytes(data, P, shard, optimizer_bytes(cfg.optim), knobs)
     local_seq = t.seq_len // cp  # what each rank's tensor parallel moves
-    comm = comm_bytes(data, P, accum, knobs, shape, t.micro_batch_size, local_seq, act_bytes, tp, n)
+    comm = comm_bytes(data, P, accum, knobs, shape, t.micro_batch_size, local_seq, act_bytes, tp, n, shard)
     if cp > 1:
         comm.update(cp_comm_bytes(shape, t.micro_batch_size, t.seq_len, act_bytes, accum, cp, method, tp,
                                   checkpointed))
@@ -444,7 +484,8 @@ def predict(cfg, world, strategy=None, tp=None, ac=None, shape=None, plan=None, 
         # (b, H/tp, 2C, 2C) matrices at once (probabilities, their gradient, the scores')
         memory["ring scores"] = 3 * t.micro_batch_size * shape["n_head"] / tp * (t.seq_len // cp) ** 2 * 4
     dims = {"dp": "dp_cp" if cp > 1 else "dp"}  # as parallel/comm.py files them
-    out = {"strategy": strategy, "tp": tp, "dp": dp, "cp": cp, "accum": accum, "ac": ac,
+    out = {"strategy": strategy, "tp": tp, "dp": dp, "cp": cp, "dp_shard": shard, "dp_replicate": n // shard,
+           "accum": accum, "ac": ac,
            "params_per_rank": P, "state": sum(state.values()), "memory": memory, "total_memory": sum(memory.values()),
            "comm": Counter({(dims.get(d, d), k): v for (d, k), v in comm.items()}),
            # as parallel/comm.py's comm_bytes: collectives; the ring's sends and receives apart
@@ -454,12 +495,13 @@ def predict(cfg, world, strategy=None, tp=None, ac=None, shape=None, plan=None, 
         out["balance"] = cp_balance(t.seq_len, cp)
     if plan is not None:
         seconds, parts = step_time(data, shape, world, tp, accum, t.micro_batch_size, t.seq_len, comm, knobs,
-                                   checkpointed, plan, cp, method, act_bytes)
+                                   checkpointed, plan, cp, method, act_bytes, shard)
         parts["each"] = Counter({(dims.get(d, d), k): v for (d, k), v in parts["each"].items()})
         tokens = t.global_batch_size * t.seq_len
         out.update(step_s=seconds, time=parts, tok_per_s=tokens / seconds,
                    mfu=shape["flops_per_token"] * tokens / seconds / (GPUS[plan.gpu]["peak"] * world),
-                   fits=out["total_memory"] <= plan.usable_memory * GPUS[plan.gpu]["memory"])
+                   fits=out["total_memory"] <= plan.usable_memory * GPUS[plan.gpu]["memory"],
+                   crosses_nodes=crosses_nodes(comm, world, tp, shard, plan, cp))
     return out
 
 
@@ -495,6 +537,10 @@ def layout_problem(cfg, shape, world, strategy, tp, plan, cp=1):
         return f"{strategy} needs at least 2 GPUs"
     if strategy in TP_STRATEGIES and tp < 2:
         return f"{strategy} needs tp >= 2"
+    if strategy == "hsdp":
+        shard = shard_degree(cfg, world, strategy, tp, plan)
+        if shard < 1 or (world // tp) % shard or world // tp == shard:
+            return f"hsdp needs replicas of dp_shard={shard} ranks (plan.world={world}: more than one node)"
     if world % tp:
         return f"plan.world={world} is not divisible by tp={tp}"
     if tp > plan.gpus_per_node or (world > plan.gpus_per_node and plan.gpus_per_node % tp):
@@ -509,8 +555,11 @@ def layout_problem(cfg, shape, world, strategy, tp, plan, cp=1):
 
 def candidates(world, plan):
     """Every (layout, tp, cp) the theory covers for this world: tp over the divisors of world within a node; context
-    parallel over every divisor of world, with DDP or FSDP over dp x cp, and FSDP x TP beside it within a node."""
+    parallel over every divisor of world, with DDP or FSDP over dp x cp, and FSDP x TP beside it within a node;
+    HSDP (a shard group per node) where there is more than one node."""
     for s in SHARDED:
+        if s == "hsdp" and world <= plan.gpus_per_node:
+            continue  # one node: HSDP's shard group is all of it, which is fsdp
         if s == "tp":
             yield s, world, 1
         elif s in TP_STRATEGIES:
@@ -553,7 +602,7 @@ def report(cfg, shape):
     plan, t, world = cfg.plan, cfg.train, cfg.plan.world
     chosen = predict(cfg, world, shape=shape, plan=plan)
     gpu = GPUS[plan.gpu]
-    bw = bandwidths(world, chosen["tp"], plan, chosen["cp"])
+    bw = bandwidths(world, chosen["tp"], plan, chosen["dp_shard"], chosen["cp"])
     bw["dp_cp"] = bw["dp"]
     cp_part, balance = "", ""
     if chosen["cp"] > 1:
@@ -574,8 +623,10 @@ def report(cfg, shape):
         f"{plan.compute_efficiency:.0%} of peak compute, {plan.link_efficiency:.0%} of link bandwidth",
         "knobs: " + ", ".join(f"{k}={v}" for k, v in chosen["knobs"].items()),
         "",
-        f"layout: parallel={chosen['strategy']} dp={chosen['dp']} x {cp_part}tp={chosen['tp']}, gradient "
-        f"accumulation {chosen['accum']}, {chosen['params_per_rank'] / 1e6:.1f}M parameters per rank{balance}",
+        f"layout: parallel={chosen['strategy']} dp={chosen['dp']}"
+        f"{' (dp_replicate={dp_replicate} x dp_shard={dp_shard})'.format(**chosen) * (chosen['strategy'] == 'hsdp')}"
+        f" x {cp_part}tp={chosen['tp']}, gradient accumulation {chosen['accum']}, "
+        f"{chosen['params_per_rank'] / 1e6:.1f}M parameters per rank{balance}",
         "",
         "memory per rank (GB)",
     ]
@@ -592,13 +643,17 @@ def report(cfg, shape):
         lines += [f"  activation checkpointing {p['ac']:4s}: activations {gb(m['activations']):>7}, total "
                   f"{gb(p['total_memory']):>7} of {gpu['memory'] * plan.usable_memory / 1e9:.0f} usable: "
                   f"{'fits' if p['fits'] else 'does NOT fit'}"]
+    w = max([4] + [len(dim) for dim, _ in chosen["comm"]])  # HSDP's dimensions have longer names
     lines += ["", "communication per step per rank",
-              f"  {'dim':4s} {'collective':15s} {'GB':>9s} {'ranks':>6s} {'GB/s':>6s} {'ms':>9s}"]
-    size = {"dp": chosen["dp"], "tp": chosen["tp"], "cp": chosen["cp"], "dp_cp": chosen["dp"] * chosen["cp"]}
+              f"  {'dim':{w}s} {'collective':15s} {'GB':>9s} {'ranks':>6s} {'GB/s':>6s} {'ms':>9s}"]
+    size = {**{k: chosen[k] for k in ("dp", "tp", "cp", "dp_shard", "dp_replicate")},
+            "dp_cp": chosen["dp"] * chosen["cp"]}
     for (dim, kind), v in sorted(chosen["comm"].items()):
         ms = 1e3 * chosen["time"]["each"][dim, kind]
-        lines.append(f"  {dim:4s} {kind:15s} {gb(v):>9} {size[dim]:>6d} {bw[dim] / 1e9:>6.0f} {ms:>9.1f}")
-    lines.append(f"  {'':4s} {'total':15s} {gb(chosen['comm_total'] + chosen['p2p_total']):>9}")
+        lines.append(f"  {dim:{w}s} {kind:15s} {gb(v):>9} {size[dim]:>6d} {bw[dim] / 1e9:>6.0f} {ms:>9.1f}")
+    lines.append(f"  {'':{w}s} {'total':15s} {gb(chosen['comm_total'] + chosen['p2p_total']):>9}")
+    lines.append(f"  {'':{w}s} {'across nodes':15s} {gb(chosen['crosses_nodes']):>9}   (the collectives whose groups "
+                 f"span nodes)")
     tm = chosen["time"]
     lines += ["", f"step: compute {tm['compute'] * 1e3:.0f} ms + exposed communication {tm['exposed comm'] * 1e3:.0f} "
                   f"ms (of {tm['comm'] * 1e3:.0f} ms) = {chosen['step_s'] * 1e3:.0f} ms -> "
@@ -620,14 +675,14 @@ def ranking(cfg, shape, world, plan):
     rows.sort(key=lambda r: (not r["fits"], r["step_s"], r["total_memory"]))
     lines = [f"every layout on {world} GPU(s), fastest first among those that fit (the knobs above):",
              "| rank | parallel | dp | tp | cp | accum | AC | memory GB | fits | comm GB/step | step ms | exposed comm "
-             "ms | tokens/s | MFU |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "ms | tokens/s | MFU | across nodes GB/step |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(rows, 1):
         lines.append(f"| {i if r['fits'] else '-'} | {r['strategy']} | {r['dp']} | {r['tp']} | {r['cp']} | "
                      f"{r['accum']} | "
                      f"{r['ac']} | {r['total_memory'] / 1e9:.1f} | {'yes' if r['fits'] else 'no'} | "
                      f"{(r['comm_total'] + r['p2p_total']) / 1e9:.2f} | {r['step_s'] * 1e3:.0f} | "
                      f"{r['time']['exposed comm'] * 1e3:.0f} "
-                     f"| {r['tok_per_s']:,.0f} | {r['mfu']:.1%} |")
+                     f"| {r['tok_per_s']:,.0f} | {r['mfu']:.1%} | {r['crosses_nodes'] / 1e9:.2f} |")
     return lines + [f"not possible here: {s}" for s in skipped]
 
 
