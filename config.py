@@ -24,7 +24,8 @@ from model import GPTConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DATA_STRATEGIES = ("none", "ddp", "zero1", "zero2", "fsdp")
-DIMS = ("dp", "tp")  # the mesh's dimensions, outermost first: rank = i_dp * tp + i_tp (a tp group is neighbours)
+DIMS = ("pp", "dp", "tp")  # the mesh's dimensions, outermost first: rank = (i_pp * dp + i_dp) * tp + i_tp
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
 
 class ConfigError(ValueError):
@@ -81,6 +82,9 @@ class Parallel:
     reshard_after_forward: bool = MISSING
     prefetch: int = at_least(0)
     cpu_offload: bool = MISSING
+    pp: Optional[int] = at_least(1)
+    pp_schedule: str = choice(*PP_SCHEDULES)
+    pp_virtual: int = at_least(1)
 
 
 @dataclass
@@ -199,8 +203,10 @@ def model_config(cfg, vocab_size):
 def degrees(p, world):
     """{dim: size} for `world` ranks: tp null means every rank; dp null means what the other degrees leave."""
     tp = world if p.tp is None else p.tp
-    dp = p.dp if p.dp is not None else max(1, world // max(1, tp))
-    return {"dp": dp, "tp": tp}
+    pp = p.get("pp", 1)  # null: what tp and dp leave
+    pp = pp if pp is not None else max(1, world // max(1, tp * (p.dp or 1)))
+    dp = p.dp if p.dp is not None else max(1, world // max(1, tp * pp))
+    return {"pp": pp, "dp": dp, "tp": tp}
 
 
 def layout_name(p, world):
@@ -208,8 +214,12 @@ def layout_name(p, world):
     over dp where dp > 1), fsdp_tp, zero1_tp, zero2_tp."""
     d = degrees(p, world)
     if d["tp"] > 1:
-        return "tp" if p.data in ("none", "ddp") else f"{p.data}_tp"
-    return "single" if p.data == "none" else p.data
+        name = "tp" if p.data in ("none", "ddp") else f"{p.data}_tp"
+    else:
+        name = "single" if p.data == "none" else p.data
+    if d["pp"] > 1:  # pp, pp_ddp, pp_fsdp, pp_tp, ...
+        return "pp" if name == "single" or (name == "ddp" and d["dp"] == 1) else f"pp_{name}"
+    return name
 
 
 def check_parallel(p, world, model, seq_len, cpu_bf16=True, bf16=True, compile_=False):
@@ -217,7 +227,7 @@ def check_parallel(p, world, model, seq_len, cpu_bf16=True, bf16=True, compile_=
     GPTConfig (layers, heads, widths, padded vocab) the run will build; `bf16`: whether the device the run computes
     on can compute in bfloat16 (`cpu_bf16`: whether the CPU can)."""
     name, d = layout_name(p, world), degrees(p, world)
-    dp, tp = d["dp"], d["tp"]
+    dp, tp, pp = d["dp"], d["tp"], d["pp"]
     if p.param_dtype != "float32":
         if p.data not in ("zero1", "zero2", "fsdp"):
             return (f"parallel.param_dtype={p.param_dtype}: parallel={name} computes with its float32 weights and "
@@ -239,8 +249,12 @@ def check_parallel(p, world, model, seq_len, cpu_bf16=True, bf16=True, compile_=
                 f"`torchrun --nproc_per_node=N train.py parallel={name}` (N >= 2)")
     if world % tp:
         return f"parallel.tp={tp} must divide the number of ranks ({world})"
-    if dp * tp != world:
-        return f"parallel.dp={dp} x parallel.tp={tp} = {dp * tp}, but {world} ranks were launched"
+    if world % (pp * tp):
+        return f"parallel.pp={pp} x parallel.tp={tp} = {pp * tp} must divide the number of ranks ({world})"
+    if pp * dp * tp != world:
+        return (f"parallel.pp={pp} x parallel.dp={dp} x parallel.tp={tp} = {pp * dp * tp}, but {world} ranks were "
+                f"launched" if pp > 1 else f"parallel.dp={dp} x parallel.tp={tp} = {dp * tp}, but {world} ranks "
+                f"were launched")
     if dp > 1 and p.data == "none":
         return f"parallel.dp={dp} replicas need a data-parallel strategy: parallel.data={_or(DATA_STRATEGIES[1:])}"
     if dp == 1 and p.data in ("zero1", "zero2"):
@@ -276,6 +290,36 @@ def check_parallel(p, world, model, seq_len, cpu_bf16=True, bf16=True, compile_=
                     "this CPU can't do; use parallel.param_dtype=float32")
     if p.param_dtype == "bfloat16" and not bf16:
         return "parallel.param_dtype=bfloat16: this device can't compute in bfloat16; use parallel.param_dtype=float32"
+    return None
+
+
+def check_pipeline(p, world, model, micro_batches):
+    """The error message for pipeline settings that can't work, or None; `micro_batches`: per step and dp rank."""
+    d = degrees(p, world)
+    pp, s = d["pp"], p.pp_schedule
+    if pp == 1:
+        return None
+    v = p.pp_virtual if s == "interleaved_1f1b" else 1
+    if s == "interleaved_1f1b" and v < 2:
+        return "parallel.pp_schedule=interleaved_1f1b with parallel.pp_virtual=1 is 1f1b; set pp_virtual to 2 or more"
+    if pp * v > model.n_layer:
+        return (f"parallel.pp={pp}{f' x pp_virtual={v}' if v > 1 else ''} = {pp * v} stages, but the model has "
+                f"{model.n_layer} blocks (model.n_layer): every stage needs at least one")
+    if v > 1 and model.n_layer % (pp * v):
+        return (f"parallel.pp_schedule=interleaved_1f1b: pp={pp} x pp_virtual={v} = {pp * v} virtual stages must "
+                f"divide the model's {model.n_layer} blocks")
+    if v > 1 and micro_batches % pp:
+        return (f"parallel.pp_schedule=interleaved_1f1b sends micro-batches through each chunk in groups of pp={pp}, "
+                f"but a step has {micro_batches} (train.global_batch_size / (micro_batch_size x dp)); make it a "
+                f"multiple of {pp}")
+    if d["tp"] > 1:
+        return "parallel.pp > 1 with parallel.tp > 1 is not built yet; use one of them"
+    if p.impl == "torch" and p.data not in ("none", "fsdp"):
+        return (f"parallel.pp > 1 with parallel.impl=torch composes with parallel.data=fsdp or none (torch's "
+                f"DistributedDataParallel decides at forward whether to reduce); use parallel.impl=scratch")
+    if d["dp"] > 1 and (s in ("interleaved_1f1b", "zero_bubble") or p.data in ("zero1", "zero2")):
+        return (f"parallel.pp_schedule={s} with parallel.data={p.data} over dp={d['dp']} is not built yet; use "
+                f"gpipe or 1f1b with data ddp or fsdp")
     return None
 
 
@@ -336,10 +380,13 @@ def check(cfg, world):
     dtype = t.dtype if t.dtype != "auto" else ("bfloat16" if device == "cuda" and bf16_supported(device) else "float32")
     if t.compile and compile_problem(device):
         raise ConfigError(compile_problem(device))
-    dp = degrees(cfg.parallel, world)["dp"]  # tensor-parallel ranks share one slice of the batch
+    dp = degrees(cfg.parallel, world)["dp"]  # tensor-parallel and pipeline ranks share one slice of the batch
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size "
                           f"({t.micro_batch_size}) x data-parallel ranks ({dp})")
+    problem = check_pipeline(cfg.parallel, world, cfg.model, t.global_batch_size // (t.micro_batch_size * dp))
+    if problem:
+        raise ConfigError(problem)
     if t.seq_len > cfg.model.block_size:
         raise ConfigError(f"train.seq_len={t.seq_len} is longer than the model's context "
                           f"(model.block_size={cfg.model.block_size})")

@@ -164,10 +164,13 @@ class GPT(nn.Module):
     def generate(self, idx, max_new_tokens, temperature=0.8, top_k=50):
         for _ in range(max_new_tokens):
             logits = self(idx[:, -self.cfg.block_size:])[:, -1, :].float()
-            logits[:, self.cfg.vocab_size:] = -float("inf")  # padding ids are not tokens
-            if top_k:
-                kth = torch.topk(logits, min(top_k, self.cfg.vocab_size)).values[:, -1:]
-                logits[logits < kth] = -float("inf")
-            probs = F.softmax(logits / temperature, dim=-1)
-            idx = torch.cat([idx, torch.multinomial(probs, 1)], dim=1)
+            idx = torch.cat([idx, self.next_token(logits, temperature, top_k)], dim=1)
         return idx
+
+    def next_token(self, logits, temperature=0.8, top_k=50):
+        """One token per row drawn from the last position's logits (B, vocab): top-k, then temperature."""
+        logits[:, self.cfg.vocab_size:] = -float("inf")  # padding ids are not tokens
+        if top_k:
+            kth = torch.topk(logits, min(top_k, self.cfg.vocab_size)).values[:, -1:]
+            logits[logits < kth] = -float("inf")
+        return torch.multinomial(F.softmax(logits / temperature, dim=-1), 1)

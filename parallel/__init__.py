@@ -1,9 +1,11 @@
 """Parallel strategies, applied to model.py's GPT from outside (model.py imports nothing from here).
 
-One device mesh, built once from the degrees in `parallel.*` (config.degrees): ("dp", "tp"), tensor parallel inside
-each group of `tp` neighbouring ranks (one node's GPUs, on NVLink), data parallel across the groups. Every strategy
-takes its process groups from it. `parallelize` composes them in one fixed order (torchtitan's):
+One device mesh, built once from the degrees in `parallel.*` (config.degrees): ("pp", "dp", "tp"), tensor parallel
+inside each group of `tp` neighbouring ranks (one node's GPUs, on NVLink), data parallel across the groups, pipeline
+stages outermost (only activations cross between them). Every strategy takes its process groups from it.
+`parallelize` composes them in one fixed order (torchtitan's):
 
+  0. pipeline stages              parallel/pp.py          over "pp", when pp > 1: this rank keeps its stages only
   1. tensor / sequence parallel   parallel/tp.py          over "tp", when tp > 1
   2. activation checkpointing     torch.utils.checkpoint  train.activation_checkpointing
   3. compile                      torch.compile           train.compile
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 import config
-from parallel import comm, ddp, fsdp, tp, zero
+from parallel import comm, ddp, fsdp, pp, tp, zero
 from parallel.strategy import DataParallel, TensorParallel, clip_grad_norm, materialize, state_bytes
 
 # parallel.data x parallel.impl -> the function that applies it over "dp" (and builds the optimizer)
@@ -35,7 +37,7 @@ DATA_PARALLEL = {
 
 
 def build_mesh(p, world, device_type):
-    """The (dp, tp) device mesh for `world` ranks; its groups are named for the communication counter."""
+    """The (pp, dp, tp) device mesh for `world` ranks; its groups are named for the communication counter."""
     from torch.distributed.device_mesh import init_device_mesh
     d = config.degrees(p, world)
     mesh = init_device_mesh(device_type, tuple(d[k] for k in config.DIMS), mesh_dim_names=config.DIMS)
@@ -52,8 +54,14 @@ class Parallelized:
     data: DataParallel
     tp: TensorParallel
     mesh: object  # None for one process without a process group
-    dims: dict  # {"dp": n, "tp": n}
+    dims: dict  # {"pp": n, "dp": n, "tp": n}
     device: str
+    pipeline: object = None  # parallel/pp.py's Pipeline of this rank's stages, when pp > 1
+
+    @property
+    def dp_rank(self):
+        """Which slice of the global batch this rank takes (tensor-parallel and pipeline ranks share one)."""
+        return self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
 
     def no_sync(self):
         return self.data.no_sync()
@@ -75,6 +83,8 @@ def parallelize(model, p, mesh, make_optimizer, device, train):
     """Apply the strategies to `model` (a GPT on the meta device), in the order above; returns Parallelized.
     The global RNG must be seeded: every layout draws the same initial weights as parallel=single."""
     dims = {k: mesh[k].size() for k in config.DIMS} if mesh is not None else {k: 1 for k in config.DIMS}
+    # 0. pipeline: keep this rank's stages only (still on the meta device), with single's names
+    pipeline = pp.split(model, mesh, p, device) if dims["pp"] > 1 else None
     # 1. tensor parallel: ours shards the meta model in place; torch's materializes it whole and distributes it
     par_tp = TensorParallel()
     if dims["tp"] > 1:
@@ -86,6 +96,8 @@ def parallelize(model, p, mesh, make_optimizer, device, train):
     # 4. data parallel: ours FSDP materializes one shard at a time; everything else materializes here first. One
     # replica (parallel=single, or tensor parallel alone) needs no strategy; FSDP runs on one rank too, to be timed
     init_param = par_tp.init_param or model.init_param
+    if pipeline is not None:  # each parameter drawn where single's RNG stream has it
+        init_param = pipeline.init_param(init_param)
     one_replica = p.data == "none" or (dims["dp"] == 1 and p.data != "fsdp")
     if p.data == "fsdp" and p.impl == "scratch":
         data = fsdp.apply_fsdp(model, mesh, p, make_optimizer, device, init_param)
@@ -93,7 +105,9 @@ def parallelize(model, p, mesh, make_optimizer, device, train):
         materialize(model, init_param, device)
         data = DataParallel(model, make_optimizer) if one_replica else \
             DATA_PARALLEL[p.data, p.impl](model, mesh, p, make_optimizer)
-    return Parallelized(data.model, data.module, data.optimizer, data, par_tp, mesh, dims, device)
+    if pipeline is not None:  # the schedule calls the stages through the data strategy's wrapper and hooks
+        pipeline.call, pipeline.no_sync = data.model, data.no_sync
+    return Parallelized(data.model, data.module, data.optimizer, data, par_tp, mesh, dims, device, pipeline)
 
 
 def apply_activation_checkpointing(model, mode, every=1):
