@@ -317,9 +317,11 @@ def check_pipeline(p, world, model, micro_batches):
     if p.impl == "torch" and p.data not in ("none", "fsdp"):
         return (f"parallel.pp > 1 with parallel.impl=torch composes with parallel.data=fsdp or none (torch's "
                 f"DistributedDataParallel decides at forward whether to reduce); use parallel.impl=scratch")
-    if d["dp"] > 1 and (s in ("interleaved_1f1b", "zero_bubble") or p.data in ("zero1", "zero2")):
+    if d["dp"] > 1 and (s == "interleaved_1f1b" or p.data in ("zero1", "zero2")):
+        # the data strategies reduce a bucket when one backward has filled it; a rank's last interleaved backward
+        # covers one of its chunks only
         return (f"parallel.pp_schedule={s} with parallel.data={p.data} over dp={d['dp']} is not built yet; use "
-                f"gpipe or 1f1b with data ddp or fsdp")
+                f"gpipe, 1f1b or zero_bubble with data ddp or fsdp")
     return None
 
 

@@ -344,6 +344,7 @@ class Pipeline:
     def step(self, x, y, accum, micro):
         """One training step's forward and backward over its accum micro-batches of `micro` sequences."""
         xs, ys = x.split(micro), y.split(micro)
+        self.log = []
         self.params = [q for q in self.model.parameters() if q.requires_grad]  # W's (FSDP swaps parameters)
         actions = schedule(self.name, self.pp, accum, self.v)[self.rank]
         return self.run(actions, xs, ys, self._shape(x, micro), accum)

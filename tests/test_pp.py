@@ -12,10 +12,10 @@ import train
 from parallel import pp
 
 # 8 blocks: pp=4 x pp_virtual=2 virtual stages of one block each
-PP_RUN = (*RUN, "model.n_layer=8")
+PP_RUN = (*(o for o in RUN if not o.startswith("train.max_steps")), "train.max_steps=3", "model.n_layer=8")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 # (schedule, pp, data strategy over dp): world 4 each
-CASES = [(s, 4, "ddp") for s in SCHEDULES] + [(s, 2, "ddp") for s in SCHEDULES[:2]] + [("1f1b", 2, "fsdp")]
+CASES = [(s, 4, "ddp") for s in SCHEDULES] + [("gpipe", 2, "ddp"), ("1f1b", 2, "fsdp"), ("zero_bubble", 2, "ddp")]
 IDS = [f"{s}-pp{p}-{d}" for s, p, d in CASES]
 
 
@@ -61,3 +61,90 @@ def test_equal_to_single(runs, single_pp, schedule, pp_, data):
     # p2p: each micro-batch's activation forward and its gradient back over every stage boundary
     m, v = 16 // (2 * dp), 2 if schedule == "interleaved_1f1b" else 1
     assert last["p2p_bytes_pipeline"] == 2 * m * (2 * 64 * 64) * (pp_ * v - 1) * 4
+
+
+# --- the schedules' shapes, without processes: order, activations held, bubble (forward 1, backward 2)
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8), (4, 12)])
+def test_schedule_shapes(p, m):
+    gp, ob, zb = (pp.schedule(s, p, m) for s in ("gpipe", "1f1b", "zero_bubble"))
+    for acts in (gp, ob, zb):  # every rank runs every micro-batch's passes once, in micro-batch order
+        for rank in acts:
+            for kind in {k for k, _, _ in rank}:
+                order = [i for k, _, i in rank if k == kind]
+                assert sorted(order) == list(range(m)) and (order == sorted(order) or acts is gp)
+    assert [pp.peak_in_flight(r) for r in gp] == [m] * p  # GPipe holds every micro-batch
+    assert [pp.peak_in_flight(r) for r in ob] == [min(p - r, m) for r in range(p)]  # 1F1B at most p - rank
+    assert max(pp.peak_in_flight(r) for r in zb) <= p  # ZB-H1: 1F1B's peak
+    assert pp.bubble(gp) == pytest.approx((p - 1) / (m + p - 1))
+    assert pp.bubble(ob) == pytest.approx((p - 1) / (m + p - 1))
+    # ZB-H1 (Qi et al.): idle (p - 1)(F + B - W) per rank, B = W = 1
+    assert pp.bubble(zb) == pytest.approx((p - 1) / (3 * m + p - 1))
+    assert pp.bubble(zb) < pp.bubble(ob)
+    for v in (2, 3):  # Megatron's interleaved: the bubble shrinks v-fold
+        il = pp.schedule("interleaved_1f1b", p, m, v)
+        assert pp.bubble(il, v) == pytest.approx((p - 1) / (v * m + p - 1))
+        assert all(sorted((c, i) for k, c, i in r if k == "F") == [(c, i) for c in range(v) for i in range(m)]
+                   for r in il)
+
+
+def test_schedule_orders():
+    """The action lists themselves, for one small pipeline (p=2, m=3)."""
+    names = {s: [" ".join(f"{k}{i}" for k, _, i in r) for r in pp.schedule(s, 2, 3)] for s in ("gpipe", "1f1b",
+                                                                                                 "zero_bubble")}
+    assert names["gpipe"] == ["F0 F1 F2 B2 B1 B0"] * 2
+    assert names["1f1b"] == ["F0 F1 B0 F2 B1 B2", "F0 B0 F1 B1 F2 B2"]
+    assert names["zero_bubble"] == ["F0 F1 B0 W0 F2 B1 W1 B2 W2", "F0 B0 F1 B1 W0 F2 B2 W1 W2"]
+    assert pp.split_blocks(5, 2) == [range(0, 3), range(3, 5)]
+    assert pp.describe(4, 2, 2) == ["rank 0: wte + block 0 | block 2", "rank 1: block 1 | block 3 + norm, head, loss"]
+    with pytest.raises(RuntimeError, match="deadlocks"):  # the simulator refuses an order that can't run
+        pp.simulate([[("B", 0, 0), ("F", 0, 0)], [("F", 0, 0), ("B", 0, 0)]])
+
+
+def _executor_ranks():
+    """On each of 2 forked ranks, every schedule: Pipeline.step on a tiny GPT logs the schedule's own list, and
+    holds at most the list's peak of micro-batches."""
+    import torch
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+    from torch.distributed.device_mesh import init_device_mesh
+    from model import GPT, GPTConfig
+    from parallel.strategy import materialize
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
+    for schedule in SCHEDULES:
+        p = OmegaConf.create(dict(pp_schedule=schedule, pp_virtual=2, sequence_parallel=False,
+                                  param_dtype="float32", data="none"))
+        with torch.device("meta"):
+            model = GPT(GPTConfig(vocab_size=128, block_size=16, n_layer=4, n_head=2, n_embd=16))
+        pipe = pp.split(model, mesh, p, "cpu")
+        materialize(model, pipe.init_param(model.init_param), "cpu")
+        x = torch.randint(0, 128, (8, 16))
+        pipe.step(x, x, 4, 2)
+        expected = pp.schedule(schedule, 2, 4, pipe.v)[pipe.rank]
+        assert pipe.log == expected, (schedule, pipe.log, expected)
+        assert pipe.peak == pp.peak_in_flight(expected), (schedule, pipe.peak)
+    dist.destroy_process_group()
+
+
+def test_executor_runs_the_list():
+    from conftest import forked
+    forked(2, _executor_ranks)
+
+
+@pytest.mark.parametrize("overrides,world,message", [
+    (("parallel=pp", "parallel.pp=3"), 4, "parallel.pp=3 x parallel.tp=1 = 3 must divide the number of ranks (4)"),
+    (("parallel=pp", "model.n_layer=2"), 4, "4 stages, but the model has 2 blocks"),
+    (("parallel=pp", "parallel.pp_schedule=interleaved_1f1b", "model.n_layer=6"), 2,
+     "pp=2 x pp_virtual=2 = 4 virtual stages must divide the model's 6 blocks"),
+    (("parallel=pp", "parallel.pp_schedule=interleaved_1f1b", "model.n_layer=4", "train.global_batch_size=12",
+      "train.micro_batch_size=4"), 2, "but a step has 3"),
+    (("parallel=pp", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual=1", "model.n_layer=4"), 2,
+     "pp_virtual=1 is 1f1b"),
+    (("parallel=pp", "parallel.pp_schedule=2f2b"), 2, "parallel.pp_schedule='2f2b': expected gpipe, 1f1b"),
+    (("parallel=pp", "parallel.pp=2", "parallel.tp=2"), 4, "parallel.tp > 1 is not built yet"),
+])
+def test_bad_pp_settings(tmp_path, overrides, world, message):
+    with pytest.raises(train.ConfigError) as err:
+        train.check_config(make_cfg(*small_run(*overrides)), str(tmp_path / "run"), world)
+    assert message in str(err.value)
+    assert not (tmp_path / "run").exists()
