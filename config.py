@@ -314,9 +314,8 @@ def check_pipeline(p, world, model, micro_batches):
                 f"multiple of {pp}")
     if d["tp"] > 1:
         return "parallel.pp > 1 with parallel.tp > 1 is not built yet; use one of them"
-    if p.impl == "torch" and p.data not in ("none", "fsdp"):
-        return (f"parallel.pp > 1 with parallel.impl=torch composes with parallel.data=fsdp or none (torch's "
-                f"DistributedDataParallel decides at forward whether to reduce); use parallel.impl=scratch")
+    if p.impl == "torch":
+        return "parallel.pp > 1 has no torch twin yet (torch.distributed.pipelining); use parallel.impl=scratch"
     if d["dp"] > 1 and (s == "interleaved_1f1b" or p.data in ("zero1", "zero2")):
         # the data strategies reduce a bucket when one backward has filled it; a rank's last interleaved backward
         # covers one of its chunks only

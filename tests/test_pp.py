@@ -6,13 +6,13 @@ import io
 
 import pytest
 
-from conftest import RUN, assert_same_steps, assert_same_weights, job_output, make_cfg, read_metrics, small_run, \
-    torchrun_jobs
+from conftest import RUN, job_output, make_cfg, read_metrics, small_run, torchrun_jobs
 import train
 from parallel import pp
 
 # 8 blocks: pp=4 x pp_virtual=2 virtual stages of one block each
-PP_RUN = (*(o for o in RUN if not o.startswith("train.max_steps")), "train.max_steps=3", "model.n_layer=8")
+STEPS = 3  # each pipeline run's; the reference goes on to 2 STEPS, for the checkpoint round trips
+PP_RUN = (*(o for o in RUN if not o.startswith("train.max_steps")), "model.n_layer=8", "checkpoint.every=3")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 # (schedule, pp, data strategy over dp): world 4 each
 CASES = [(s, 4, "ddp") for s in SCHEDULES] + [("gpipe", 2, "ddp"), ("1f1b", 2, "fsdp"), ("zero_bubble", 2, "ddp")]
@@ -25,22 +25,53 @@ def sample(out):
 
 @pytest.fixture(scope="session")
 def single_pp(tmp_path_factory):
-    """The reference run, and the sample it printed."""
+    """The reference run (2 STEPS, a checkpoint after STEPS), and the sample it printed at the end."""
     run_dir = str(tmp_path_factory.mktemp("single_pp") / "run")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        train.run(make_cfg(*small_run(*PP_RUN, "train.sample_tokens=8")), run_dir)
+        train.run(make_cfg(*small_run(*PP_RUN, f"train.max_steps={2 * STEPS}", "train.sample_tokens=8")), run_dir)
     return run_dir, sample(out.getvalue())
 
 
+def steps(run_dir, first, last):
+    return [{k: r[k] for k in ("loss", "grad_norm")} for r in read_metrics(run_dir)
+            if "loss" in r and first <= r["step"] <= last]
+
+
+def assert_steps(run_dir, ref, first, last):
+    """Per-step loss and grad_norm of steps first..last equal to the reference's (rtol 1e-5)."""
+    got, want = steps(run_dir, first, last), steps(ref, first, last)
+    assert len(got) == len(want) == last - first + 1
+    for g, w in zip(got, want):
+        for k in w:
+            assert g[k] == pytest.approx(w[k], rel=1e-5), (k, g, w)
+
+
+def assert_weights(path, ref_path):
+    """The weights of checkpoint `path` equal to those of `ref_path`, consolidated from whatever wrote them."""
+    import torch
+    from tools import checkpoint
+    got, ref = checkpoint.consolidate(path)[0], checkpoint.consolidate(ref_path)[0]
+    assert got.keys() == ref.keys()
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def ckpt(run_dir, step):
+    return f"{run_dir}/checkpoints/step_{step:07d}"
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every case on 4 ranks, in one torchrun launch; returns ({case id: run dir}, the launch)."""
+def runs(tmp_path_factory, single_pp):
+    """Every case on 4 ranks, in one torchrun launch, and a pp=2 x dp=2 run resumed from single's checkpoint;
+    returns ({case id: run dir}, the launch)."""
     root = tmp_path_factory.mktemp("pp")
-    dirs = {case: str(root / case) for case in IDS}
+    dirs = {case: str(root / case) for case in IDS + ["resumed"]}
     jobs = [(dirs[case], small_run(*PP_RUN, "parallel=pp", f"parallel.data={d}", f"parallel.pp={p}",
-                                   f"parallel.pp_schedule={s}", "train.sample_tokens=8"))
+                                   f"parallel.pp_schedule={s}", "train.sample_tokens=8", f"train.max_steps={STEPS}"))
             for case, (s, p, d) in zip(IDS, CASES)]
+    jobs.append((dirs["resumed"], small_run(*PP_RUN, "parallel=pp", "parallel.pp=2", f"train.max_steps={2 * STEPS}",
+                                            "train.sample_tokens=8", f"train.resume={ckpt(single_pp[0], STEPS)}")))
     return dirs, torchrun_jobs(4, jobs)
 
 
@@ -49,15 +80,15 @@ def test_equal_to_single(runs, single_pp, schedule, pp_, data):
     (dirs, launch), (ref, ref_sample) = runs, single_pp
     run_dir, dp = dirs[IDS[CASES.index((schedule, pp_, data))]], 4 // pp_
     # the gradient norm covers every stage; the loss is the last stage's, meaned as one process means it
-    assert_same_steps(run_dir, ref)
-    assert_same_weights(run_dir, ref)  # every stage's checkpoint shard, under single's names
+    assert_steps(run_dir, ref, 1, STEPS)
+    assert_weights(ckpt(run_dir, STEPS), ckpt(ref, STEPS))  # every stage's checkpoint shard, under single's names
     start, last = read_metrics(run_dir)[0], read_metrics(run_dir)[-1]
     assert (start["pp"], start["dp"], start["tp"]) == (pp_, dp, 1)
-    if dp == 1:  # one pipeline evaluates single's batches (more dp ranks evaluate more of them)
-        assert last["val_loss"] == pytest.approx(read_metrics(ref)[-1]["val_loss"], rel=1e-5)
+    if dp == 1:  # evaluated through the pipeline: single's loss on single's batches (dp ranks take more of them)
+        val, ref_val = ([r["val_loss"] for r in read_metrics(d) if "val_loss" in r] for d in (run_dir, ref))
+        assert val[0] == pytest.approx(ref_val[0], rel=1e-5)  # step 0
     out = job_output(launch, run_dir)
     assert f"pipeline: {schedule}, {16 // (2 * dp)} micro-batches per step" in out
-    assert sample(out) == ref_sample  # sampled through the pipeline: single's tokens
     # p2p: each micro-batch's activation forward and its gradient back over every stage boundary
     m, v = 16 // (2 * dp), 2 if schedule == "interleaved_1f1b" else 1
     assert last["p2p_bytes_pipeline"] == 2 * m * (2 * 64 * 64) * (pp_ * v - 1) * 4
@@ -142,9 +173,26 @@ def test_executor_runs_the_list():
      "pp_virtual=1 is 1f1b"),
     (("parallel=pp", "parallel.pp_schedule=2f2b"), 2, "parallel.pp_schedule='2f2b': expected gpipe, 1f1b"),
     (("parallel=pp", "parallel.pp=2", "parallel.tp=2"), 4, "parallel.tp > 1 is not built yet"),
+    (("parallel=pp", "parallel.impl=torch"), 2, "no torch twin yet"),
+    (("parallel=pp", "parallel.pp=2", "parallel.data=zero2"), 4, "parallel.data=zero2 over dp=2 is not built yet"),
 ])
 def test_bad_pp_settings(tmp_path, overrides, world, message):
     with pytest.raises(train.ConfigError) as err:
         train.check_config(make_cfg(*small_run(*overrides)), str(tmp_path / "run"), world)
     assert message in str(err.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_checkpoints_reshard_both_ways(runs, single_pp, tmp_path):
+    """single's checkpoint goes on under pp=2 x dp=2, and a pp=4 checkpoint goes on in one process: both equal
+    to the uninterrupted single run, step for step and in the final weights. The sample, drawn through the
+    pipeline at the end of the resumed run, is single's."""
+    (dirs, launch), (ref, ref_sample) = runs, single_pp
+    assert_steps(dirs["resumed"], ref, STEPS + 1, 2 * STEPS)
+    assert_weights(ckpt(dirs["resumed"], 2 * STEPS), ckpt(ref, 2 * STEPS))
+    assert sample(job_output(launch, dirs["resumed"])) == ref_sample
+    back = str(tmp_path / "back")
+    train.run(make_cfg(*small_run(*PP_RUN, f"train.max_steps={2 * STEPS}",
+                                  f"train.resume={ckpt(dirs['1f1b-pp4-ddp'], STEPS)}")), back)
+    assert_steps(back, ref, STEPS + 1, 2 * STEPS)
+    assert_weights(ckpt(back, 2 * STEPS), ckpt(ref, 2 * STEPS))
