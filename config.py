@@ -76,7 +76,7 @@ class Parallel:
     sequence_parallel: bool = MISSING
     bucket_mb: float = above(0)
     reduce_dtype: str = choice(*DTYPES)
-    param_dtype: str = choice(*DTYPES)
+    param_dtype: str = choice("auto", *DTYPES)
     accumulate: str = choice("local", "sharded")
     blocks_per_unit: int = at_least(1)
     reshard_after_forward: bool = MISSING
@@ -107,6 +107,7 @@ class Optim:
     betas: Optional[List[float]] = None
     eps: Optional[float] = field(default=None, metadata={"gt": 0})
     momentum: Optional[float] = field(default=None, metadata={"min": 0, "lt": 1})
+    fused: Optional[bool] = None
 
 
 @dataclass
@@ -222,12 +223,34 @@ def layout_name(p, world):
     return name
 
 
-def check_parallel(p, world, model, seq_len, cpu_bf16=True, bf16=True, compile_=False):
+# the strategies whose weights on a rank are a working copy apart from the float32 master (ours: zero1, zero2,
+# fsdp; torch's: FSDP2's MixedPrecisionPolicy, for zero2 and fsdp). The others compute with the master weights.
+WORKING_COPY = {"scratch": ("zero1", "zero2", "fsdp"), "torch": ("zero2", "fsdp")}
+
+
+def working_dtype(param_dtype, data, impl, dtype):
+    """The working (gathered) weights' dtype: parallel.param_dtype, or for `auto` FSDP2's convention, bf16 where the
+    run computes in bf16 (`dtype`, train.dtype resolved) and the strategy (parallel.data, .impl) keeps a working
+    copy. With float32 working weights under bf16 autocast, every matmul casts its weight to bf16 and autograd keeps
+    that copy until backward: under FSDP a bf16 copy of the whole model builds up on every rank, and 16P/N no longer
+    holds."""
+    if param_dtype != "auto":
+        return param_dtype
+    return "bfloat16" if dtype == "bfloat16" and data in WORKING_COPY[impl] else "float32"
+
+
+def resolved(p, dtype):
+    """The parallel config with param_dtype=auto made concrete (what the strategies and the metrics read)."""
+    return OmegaConf.merge(p, {"param_dtype": working_dtype(p.param_dtype, p.data, p.impl, dtype)})
+
+
+def check_parallel(p, world, model, seq_len, cpu_bf16=True, bf16=True, compile_=False, dtype="float32"):
     """The error message for parallel settings that can't work on `world` processes, or None. `model`: the
     GPTConfig (layers, heads, widths, padded vocab) the run will build; `bf16`: whether the device the run computes
-    on can compute in bfloat16 (`cpu_bf16`: whether the CPU can)."""
+    on can compute in bfloat16 (`cpu_bf16`: whether the CPU can); `dtype`: train.dtype resolved."""
     name, d = layout_name(p, world), degrees(p, world)
     dp, tp, pp = d["dp"], d["tp"], d["pp"]
+    p = resolved(p, dtype)
     if p.param_dtype != "float32":
         if p.data not in ("zero1", "zero2", "fsdp"):
             return (f"parallel.param_dtype={p.param_dtype}: parallel={name} computes with its float32 weights and "
@@ -370,15 +393,15 @@ def check(cfg, world):
     if t.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda, but torch sees no CUDA device")
     device = "cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu"
-    for problem in (check_model(cfg.model), check_optim(cfg.optim),
-                    check_parallel(cfg.parallel, world, model_config(cfg, prepare.vocab_size(d)), t.seq_len,
-                                   cpu_bf16=bf16_supported("cpu"), bf16=bf16_supported(device),
-                                   compile_=t.compile)):
-        if problem:
-            raise ConfigError(problem)
     if t.dtype == "bfloat16" and not bf16_supported(device):
         raise ConfigError(f"train.dtype=bfloat16, but this {device} can't compute in bfloat16; use train.dtype=float32")
     dtype = t.dtype if t.dtype != "auto" else ("bfloat16" if device == "cuda" and bf16_supported(device) else "float32")
+    for problem in (check_model(cfg.model), check_optim(cfg.optim),
+                    check_parallel(cfg.parallel, world, model_config(cfg, prepare.vocab_size(d)), t.seq_len,
+                                   cpu_bf16=bf16_supported("cpu"), bf16=bf16_supported(device),
+                                   compile_=t.compile, dtype=dtype)):
+        if problem:
+            raise ConfigError(problem)
     if t.compile and compile_problem(device):
         raise ConfigError(compile_problem(device))
     dp = degrees(cfg.parallel, world)["dp"]  # tensor-parallel and pipeline ranks share one slice of the batch

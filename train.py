@@ -60,7 +60,10 @@ def make_optimizer(model, o):
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     if o.name == "sgd":
         return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum)
-    return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+    # fused: one kernel for the whole step instead of a dozen per tensor (foreach, the default); on a GPU by default.
+    # The strategies that shard the optimizer build theirs with this one's class and hyper-parameters, fused included
+    fused = o.fused if o.fused is not None else params[0].device.type == "cuda"
+    return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=fused or None)
 
 
 @torch.no_grad()
@@ -126,7 +129,8 @@ def run(cfg, run_dir):
     n_params, flops_per_token = model.num_params(), model.flops_per_token(t.seq_len)
     torch.manual_seed(t.seed)
     # tensor parallel -> activation checkpointing -> compile -> data parallel + optimizer (parallel/__init__.py)
-    par = parallel.parallelize(model, cfg.parallel, mesh, lambda m: make_optimizer(m, o), device, t)
+    p = config.resolved(cfg.parallel, dtype)  # param_dtype=auto made concrete: bf16 working weights under bf16
+    par = parallel.parallelize(model, p, mesh, lambda m: make_optimizer(m, o), device, t)
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if dtype == "bfloat16" \
         else contextlib.nullcontext()
     # MFU only against a peak someone stated: train.peak_tflops, or the datasheet's for a GPU we know by name
@@ -162,7 +166,8 @@ def run(cfg, run_dir):
     metrics.log({"step": start, "n_params": n_params, "param_bytes": n_params * reduce_bytes, "world_size": world,
                  **par.dims, "flops_per_token": flops_per_token, "tokens_per_step": tokens_per_step,
                  "grad_accum": accum, "device": device, "dtype": dtype, "parallel": name, "data": cfg.parallel.data,
-                 "impl": cfg.parallel.impl, "compile": t.compile, "mem_mb_before_model": mem_before_model})
+                 "impl": cfg.parallel.impl, "param_dtype": p.param_dtype,
+                 "fused": bool(par.data.local_optimizer.param_groups[0].get("fused")), "compile": t.compile, "mem_mb_before_model": mem_before_model})
     print0(f"model: {n_params / 1e6:.2f}M parameters, vocab {mcfg.vocab_size} (padded {mcfg.padded_vocab_size}) | "
            f"data: {len(train_tokens):,} train / {len(val_tokens):,} val tokens | {device} {dtype} | "
            f"{world} rank(s) {name} ({' x '.join(f'{k}={v}' for k, v in par.dims.items())}), "
@@ -173,7 +178,7 @@ def run(cfg, run_dir):
     if resume:
         metrics.log({"step": start, "resumed_from": resume})
     ckpt, last_checkpoint = cfg.checkpoint, resume
-    ckpt_info = {"world_size": world, **par.dims, "parallel": OmegaConf.to_container(cfg.parallel),
+    ckpt_info = {"world_size": world, **par.dims, "parallel": OmegaConf.to_container(p),
                  "parallel_layout": name, "model": dataclasses.asdict(mcfg), "tokenizer_sha256": tokenizer_sha256,
                  "wandb_id": metrics.id, "config": OmegaConf.to_container(cfg, resolve=True)}
     print0(f"checkpoints: every {ckpt.every} steps and at the last, in {os.path.join(run_dir, 'checkpoints')}"

@@ -220,8 +220,25 @@ def test_mixed_precision_zero_follows_every_knob():
     assert bf16["comm"]["dp", "reduce_scatter"] == 2 * P
     zero1 = plan.predict(plan_cfg(*big, "parallel=zero1"), 64)
     assert zero1["state"] == pytest.approx((6 + 12 / 64) * P) and zero1["memory"]["transient"] == 0
-    fp32 = plan.predict(plan_cfg(*big[:-1], "parallel=zero1"), 64)
+    fp32 = plan.predict(plan_cfg(*big[:-1], "parallel=zero1", "parallel.param_dtype=float32"), 64)
     assert fp32["state"] == pytest.approx((8 + 8 / 64) * P) and fp32["comm"]["dp", "all_gather"] == 4 * P
+
+
+@pytest.mark.parametrize("strategy,impl,working", [("zero1", "scratch", 2), ("zero2", "scratch", 2),
+                                                   ("fsdp", "scratch", 2), ("fsdp", "torch", 2),
+                                                   ("zero2", "torch", 2), ("zero1", "torch", 4), ("ddp", "scratch", 4)])
+def test_param_dtype_auto_follows_the_compute_dtype(strategy, impl, working):
+    """param_dtype=auto (the default): bf16 working weights where the run computes in bf16 and the strategy keeps a
+    working copy (FSDP2's convention), float32 under float32 compute, and float32 where the weights are the master
+    (ddp; torch's ZeroRedundancyOptimizer steps the model's own)."""
+    over = (f"parallel={strategy}", f"parallel.impl={impl}")
+    auto = plan.predict(plan_cfg(*over, "train.dtype=bfloat16"), 8)
+    explicit = plan.predict(plan_cfg(*over, "train.dtype=bfloat16",
+                                     f"parallel.param_dtype={'bfloat16' if working == 2 else 'float32'}"), 8)
+    assert auto["knobs"]["param_dtype"] == ("bfloat16" if working == 2 else "float32")
+    assert auto["memory"] == explicit["memory"] and auto["comm"] == explicit["comm"]
+    fp32 = plan.predict(plan_cfg(*over, "train.dtype=float32"), 8)
+    assert fp32["knobs"]["param_dtype"] == "float32"
 
 
 def test_impossible_layouts():

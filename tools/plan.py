@@ -21,6 +21,8 @@ tensor parallelism) and N the data-parallel ranks:
   input, all-gather its output), split by collective and by mesh dimension (dp, tp).
 - transient: what a strategy holds for a moment beyond that state (FSDP's gathered units; ZeRO-2's full local
   gradients between micro-steps, which parallel.accumulate=sharded trades for a reduce-scatter per micro-step).
+- autocast copies: under bf16 autocast, the bf16 copy of every float32 matmul weight autograd keeps for backward
+  (none with bf16 working weights, parallel.param_dtype=auto's choice where the strategy has a working copy).
 - time: compute at a stated fraction of the peak, plus the communication each strategy can't hide behind it.
 tests/test_plan.py checks state and comm against real runs' counters at world sizes 1, 2 and 4.
 """
@@ -77,6 +79,8 @@ TP_STRATEGIES = ("tp", "fsdp_tp", "zero1_tp", "zero2_tp")  # the others have tp 
 KNOBS = {"reduce_dtype": "float32", "param_dtype": "float32", "accumulate": "local", "reshard_after_forward": True,
          "prefetch": 1, "sequence_parallel": False}
 ZERO = ("zero1", "zero2", "zero1_tp", "zero2_tp")
+DATA = {"single": "none", "ddp": "ddp", "tp": "ddp", **{s: s.split("_")[0] for s in ("zero1", "zero2", "fsdp",
+                                                                                    "zero1_tp", "zero2_tp", "fsdp_tp")}}
 
 
 def optimizer_bytes(optim):
@@ -135,23 +139,27 @@ def comm_bytes(strategy, P, accum, knobs=KNOBS, shape=None, micro=0, seq=0, act_
         c["dp", "all_gather"] += accum * (2 if knobs["reshard_after_forward"] else 1) * P * pb
         c["dp", "reduce_scatter"] += P * rb
     if tp > 1:
-        c.update(tp_comm_bytes(shape, micro, seq, act_bytes, accum, knobs["sequence_parallel"]))
+        c.update(tp_comm_bytes(shape, micro, seq, act_bytes, accum, knobs["sequence_parallel"], pb))
     return c
 
 
-def tp_comm_bytes(shape, micro, seq, act_bytes, accum, sequence_parallel):
+def tp_comm_bytes(shape, micro, seq, act_bytes, accum, sequence_parallel, stream_bytes=None):
     """Megatron-style tensor parallelism (Shoeybi et al., 2019; Korthikanti et al., 2022), per optimizer step:
     - each block, per micro-batch: an all-reduce after attention's and after the MLP's row-parallel layer in
       forward, and of the gradient entering each column-parallel layer in backward: 4 x 2 x (b s d) activations
     - the vocab-parallel embedding: one all-reduce of its output in forward; the head's input gradient: one in
       backward
     - the vocab-parallel loss: the rows' max (b s fp32), then [sum of exp, target logit] (2 b s fp32)
+    Dtypes: the row-parallel outputs are matmul results, in the compute dtype (`act_bytes`: bf16 under autocast);
+    the embedding's output and every gradient entering a column-parallel layer belong to the residual stream, in the
+    working weights' dtype (`stream_bytes`: float32 under autocast with fp32 weights, whose norms run in fp32;
+    measured, tests/test_bf16.py).
     With sequence parallelism every activation all-reduce is an all-gather plus a reduce-scatter moving the same
     counted bytes; the norm gains, now fed different tokens on each rank, get their gradients all-reduced once per
     step: (2L + 1) d fp32."""
     L, d = shape["n_layer"], shape["n_embd"]
-    act = micro * seq * d * act_bytes  # one activation tensor of the micro-batch
-    acts = accum * (4 * 2 * L + 2 + 2) * act
+    n = micro * seq * d  # elements of one activation tensor of the micro-batch
+    acts = accum * 2 * n * (2 * L * act_bytes + (2 * L + 2) * (stream_bytes or act_bytes))  # all-reduces count 2x
     c = Counter()
     if sequence_parallel:
         c["tp", "all_gather"] += acts / 2
@@ -250,6 +258,15 @@ def transient_bytes(strategy, shape, P, accum, knobs, tp, dp=1):
     return 0
 
 
+def autocast_copy_bytes(shape, P, tp):
+    """bf16 autocast over float32 working weights: each matmul casts its weight to bf16, and autograd keeps that
+    copy for the backward of the micro-batch, so a bf16 copy of every matmul weight on the rank (all but the
+    embedding, a lookup, and the norm gains) is held from forward to backward. Under FSDP it outlives the unit's
+    reshard: the whole model's. bf16 working weights (parallel.param_dtype=auto under bf16) need no copy
+    (tests/test_bf16.py measures both)."""
+    return 2 * (P - shape["vocab"] * shape["n_embd"] / tp - (2 * shape["n_layer"] + 1) * shape["n_embd"])
+
+
 # --- time
 def bandwidths(world, tp, plan):
     """Bytes/s each way for a collective over each mesh dimension. tp stays within a node. A dp group within one
@@ -316,6 +333,9 @@ def predict(cfg, world, strategy=None, tp=None, ac=None, shape=None, plan=None):
     checkpointed = checkpointed_fraction(ac, shape["n_layer"], cfg.train.ac_every)
     knobs = {k: cfg.parallel.get(k, v) for k, v in KNOBS.items()}
     t = cfg.train
+    # auto: bf16 working weights where the strategy keeps a working copy and the run computes in bf16 (config.py)
+    knobs["param_dtype"] = config.working_dtype(knobs["param_dtype"], DATA[strategy], cfg.parallel.impl,
+                                                "float32" if t.dtype == "float32" else "bfloat16")
     dp = world // tp
     accum = t.global_batch_size // (t.micro_batch_size * dp)
     # auto: bf16 autocast, as on any GPU this plans for; bf16 working weights compute in bf16 whatever train.dtype
@@ -326,7 +346,9 @@ def predict(cfg, world, strategy=None, tp=None, ac=None, shape=None, plan=None):
     kept, recompute = activation_bytes(shape, t.micro_batch_size, t.seq_len, act_bytes, tp,
                                        knobs["sequence_parallel"], checkpointed)
     memory = {**state, "transient": transient_bytes(strategy, shape, P, accum, knobs, tp, dp),
-              "activations": kept + recompute}
+              "activations": kept + recompute,
+              "autocast copies": autocast_copy_bytes(shape, P, tp) if act_bytes == 2 and
+              knobs["param_dtype"] == "float32" else 0}
     out = {"strategy": strategy, "tp": tp, "dp": dp, "accum": accum, "ac": ac,
            "params_per_rank": P, "state": sum(state.values()), "memory": memory, "total_memory": sum(memory.values()),
            "comm": comm, "comm_total": sum(comm.values()), "knobs": knobs}
@@ -437,7 +459,9 @@ def report(cfg, shape):
         if ac == "none":
             master = f"   fp32 master {gb(m['master'])}" if "master" in m else ""
             lines += [f"  parameters {gb(m['parameters']):>8}{master}   gradients {gb(m['gradients'])}   optimizer "
-                      f"state {gb(m['optimizer'])}   transient {gb(m['transient'])}"]
+                      f"state {gb(m['optimizer'])}   transient {gb(m['transient'])}"
+                      + (f"   bf16 autocast copies of fp32 weights {gb(m['autocast copies'])}"
+                         if m["autocast copies"] else "")]
         lines += [f"  activation checkpointing {p['ac']:4s}: activations {gb(m['activations']):>7}, total "
                   f"{gb(p['total_memory']):>7} of {gpu['memory'] * plan.usable_memory / 1e9:.0f} usable: "
                   f"{'fits' if p['fits'] else 'does NOT fit'}"]
@@ -506,7 +530,8 @@ def main(argv):
             problem = str(e)
     if not problem:
         problem = config.check_parallel(cfg.parallel, cfg.plan.world,
-                                        config.model_config(cfg, prepare.vocab_size(cfg.data)), cfg.train.seq_len)
+                                        config.model_config(cfg, prepare.vocab_size(cfg.data)), cfg.train.seq_len,
+                                        dtype="float32" if cfg.train.dtype == "float32" else "bfloat16")
     if not problem:
         problem = layout_problem(cfg, shape, cfg.plan.world, config.layout_name(cfg.parallel, cfg.plan.world),
                                  tp_degree(cfg.parallel, cfg.plan.world), cfg.plan)
