@@ -337,8 +337,9 @@ def check_pipeline(p, world, model, micro_batches):
                 f"multiple of {pp}")
     if d["tp"] > 1:
         return "parallel.pp > 1 with parallel.tp > 1 is not built yet; use one of them"
-    if p.impl == "torch":
-        return "parallel.pp > 1 has no torch twin yet (torch.distributed.pipelining); use parallel.impl=scratch"
+    if p.impl == "torch" and (p.data != "none" or d["dp"] > 1):
+        return ("parallel.pp > 1 with parallel.impl=torch (torch.distributed.pipelining) runs without a data "
+                "strategy here: use parallel.data=none and dp=1, or parallel.impl=scratch")
     if d["dp"] > 1 and (s == "interleaved_1f1b" or p.data in ("zero1", "zero2")):
         # the data strategies reduce a bucket when one backward has filled it; a rank's last interleaved backward
         # covers one of its chunks only

@@ -21,6 +21,9 @@ weight gradients, deferred). `schedule()` builds them, `simulate()` times them w
 Gantt chart of tools/pp_schedule.py), and `Pipeline.step` runs one: before each action it posts, in one batch, the
 sends of the action before and the receive the action after needs, so activations travel while it computes.
 
+The torch twin (parallel.impl=torch, `Pipeline.torch_step`): torch.distributed.pipelining's PipelineStage over the
+same chunks, with ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble.
+
 Every rank builds only its stages' parameters from the meta device, with parallel=single's values: `split` first
 walks the whole model once, drawing each parameter into a scratch tensor and noting the RNG state before it, so
 that a stage's parameter is later drawn from exactly the state a single process would draw it from, in whatever
@@ -156,7 +159,8 @@ def simulate(actions, v=1, cost=None):
             pos[r] += 1
             progressed = True
         if not progressed:
-            raise RuntimeError(f"the schedule deadlocks: rank actions waiting {[a[p_] for a, p_ in zip(actions, pos) if p_ < len(a)]}")
+            waiting = [a[k] for a, k in zip(actions, pos) if k < len(a)]
+            raise RuntimeError(f"the schedule deadlocks: the ranks' next actions {waiting} wait on each other")
     return times
 
 
@@ -225,7 +229,7 @@ class Pipeline:
         self.group = mesh.get_group("pp")
         self.pp, self.rank, self.v = mesh["pp"].size(), mesh["pp"].get_local_rank(), len(chunks)
         self.peers = [dist.get_global_rank(self.group, r) for r in range(self.pp)]
-        self.name = p.pp_schedule
+        self.name, self.impl, self.torch_schedule = p.pp_schedule, p.impl, None
         self.tp_split = mesh["tp"].size() if p.sequence_parallel else 1  # activations between stages, per rank
         self.dtype = torch.bfloat16 if p.param_dtype == "bfloat16" and p.data != "none" else torch.float32
         self.names = set(states) - {None}  # the whole model's parameters, for checkpoints
@@ -343,6 +347,8 @@ class Pipeline:
 
     def step(self, x, y, accum, micro):
         """One training step's forward and backward over its accum micro-batches of `micro` sequences."""
+        if self.impl == "torch":
+            return self.torch_step(x, y, accum)
         xs, ys = x.split(micro), y.split(micro)
         self.log = []
         self.params = [q for q in self.model.parameters() if q.requires_grad]  # W's (FSDP swaps parameters)
@@ -351,6 +357,26 @@ class Pipeline:
 
     def _shape(self, x, micro):
         return micro, x.size(1) // self.tp_split, self.model.cfg.n_embd
+
+    # --- torch's twin: torch.distributed.pipelining's schedules over the same stages
+    def torch_step(self, x, y, accum):
+        """One step by torch's schedule (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, or its zero-bubble
+        ScheduleInterleavedZeroBubble), each of this rank's chunks a PipelineStage. The batch goes in whole: torch
+        splits it into accum micro-batches, and scales the gradients by 1 / accum itself."""
+        from torch.distributed import pipelining as tp_
+        if self.torch_schedule is None:
+            stages = [tp_.PipelineStage(_Chunk(self, c), self._stage(c), self.pp * self.v, torch.device(self.device),
+                                        group=self.group) for c in range(self.v)]
+            single = {"gpipe": tp_.ScheduleGPipe, "1f1b": tp_.Schedule1F1B}
+            multi = {"interleaved_1f1b": tp_.ScheduleInterleaved1F1B,
+                     "zero_bubble": tp_.ScheduleInterleavedZeroBubble}
+            loss = (lambda logits, targets: self.model.loss(logits, targets))
+            self.torch_schedule = single[self.name](stages[0], accum, loss_fn=loss) if self.name in single else \
+                multi[self.name](stages, accum, loss_fn=loss)
+        first, last = self.chunks[0]["first"], self.chunks[-1]["last"]
+        losses = []
+        self.torch_schedule.step(*([x] if first else []), target=y if last else None, losses=losses)
+        return torch.stack(losses).detach().sum() if last else torch.zeros((), device=self.device)
 
     def evaluate(self, x, y):
         """The loss of one batch on the last stage, zero on the others (train.evaluate sums over ranks)."""
@@ -380,3 +406,19 @@ class Pipeline:
             dist.broadcast(token, self.peers[-1], group=self.group)
             idx = torch.cat([idx, token], dim=1)
         return idx
+
+
+class _Chunk(torch.nn.Module):
+    """One of this rank's chunks as the module a torch PipelineStage runs: the same blocks (shared, not copied),
+    forward(x) -> the activation, or the logits on the last stage (torch's schedule computes the loss)."""
+
+    def __init__(self, pipe, chunk):
+        super().__init__()
+        c, m = pipe.chunks[chunk], pipe.model
+        self.wte = m.wte if c["first"] else None
+        self.blocks = torch.nn.ModuleList(m.blocks._modules[str(i)] for i in c["blocks"])
+        self.norm, self.head = (m.norm, m.head) if c["last"] else (None, None)
+        self.run = lambda x: pipe.call(x, None, chunk=chunk)  # through the data strategy's wrapper
+
+    def forward(self, x):
+        return self.run(x)

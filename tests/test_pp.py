@@ -14,9 +14,10 @@ from parallel import pp
 STEPS = 3  # each pipeline run's; the reference goes on to 2 STEPS, for the checkpoint round trips
 PP_RUN = (*(o for o in RUN if not o.startswith("train.max_steps")), "model.n_layer=8", "checkpoint.every=3")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-# (schedule, pp, data strategy over dp): world 4 each
-CASES = [(s, 4, "ddp") for s in SCHEDULES] + [("gpipe", 2, "ddp"), ("1f1b", 2, "fsdp"), ("zero_bubble", 2, "ddp")]
-IDS = [f"{s}-pp{p}-{d}" for s, p, d in CASES]
+# (schedule, pp, data strategy over dp, impl): world 4 each; torch's (torch.distributed.pipelining) without one
+CASES = [(s, 4, "ddp", "scratch") for s in SCHEDULES] + [(s, 4, "none", "torch") for s in SCHEDULES] + \
+    [("gpipe", 2, "ddp", "scratch"), ("1f1b", 2, "fsdp", "scratch"), ("zero_bubble", 2, "ddp", "scratch")]
+IDS = [f"{s}-pp{p}-{d}-{i}" for s, p, d, i in CASES]
 
 
 def sample(out):
@@ -68,17 +69,17 @@ def runs(tmp_path_factory, single_pp):
     root = tmp_path_factory.mktemp("pp")
     dirs = {case: str(root / case) for case in IDS + ["resumed"]}
     jobs = [(dirs[case], small_run(*PP_RUN, "parallel=pp", f"parallel.data={d}", f"parallel.pp={p}",
-                                   f"parallel.pp_schedule={s}", "train.sample_tokens=8", f"train.max_steps={STEPS}"))
-            for case, (s, p, d) in zip(IDS, CASES)]
+                                   f"parallel.impl={i}", f"parallel.pp_schedule={s}", f"train.max_steps={STEPS}"))
+            for case, (s, p, d, i) in zip(IDS, CASES)]
     jobs.append((dirs["resumed"], small_run(*PP_RUN, "parallel=pp", "parallel.pp=2", f"train.max_steps={2 * STEPS}",
                                             "train.sample_tokens=8", f"train.resume={ckpt(single_pp[0], STEPS)}")))
     return dirs, torchrun_jobs(4, jobs)
 
 
-@pytest.mark.parametrize("schedule,pp_,data", CASES, ids=IDS)
-def test_equal_to_single(runs, single_pp, schedule, pp_, data):
+@pytest.mark.parametrize("schedule,pp_,data,impl", CASES, ids=IDS)
+def test_equal_to_single(runs, single_pp, schedule, pp_, data, impl):
     (dirs, launch), (ref, ref_sample) = runs, single_pp
-    run_dir, dp = dirs[IDS[CASES.index((schedule, pp_, data))]], 4 // pp_
+    run_dir, dp = dirs[IDS[CASES.index((schedule, pp_, data, impl))]], 4 // pp_
     # the gradient norm covers every stage; the loss is the last stage's, meaned as one process means it
     assert_steps(run_dir, ref, 1, STEPS)
     assert_weights(ckpt(run_dir, STEPS), ckpt(ref, STEPS))  # every stage's checkpoint shard, under single's names
@@ -143,7 +144,7 @@ def _executor_ranks():
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
     for schedule in SCHEDULES:
-        p = OmegaConf.create(dict(pp_schedule=schedule, pp_virtual=2, sequence_parallel=False,
+        p = OmegaConf.create(dict(pp_schedule=schedule, pp_virtual=2, sequence_parallel=False, impl="scratch",
                                   param_dtype="float32", data="none"))
         with torch.device("meta"):
             model = GPT(GPTConfig(vocab_size=128, block_size=16, n_layer=4, n_head=2, n_embd=16))
@@ -173,7 +174,7 @@ def test_executor_runs_the_list():
      "pp_virtual=1 is 1f1b"),
     (("parallel=pp", "parallel.pp_schedule=2f2b"), 2, "parallel.pp_schedule='2f2b': expected gpipe, 1f1b"),
     (("parallel=pp", "parallel.pp=2", "parallel.tp=2"), 4, "parallel.tp > 1 is not built yet"),
-    (("parallel=pp", "parallel.impl=torch"), 2, "no torch twin yet"),
+    (("parallel=pp", "parallel.impl=torch"), 2, "runs without a data strategy here"),
     (("parallel=pp", "parallel.pp=2", "parallel.data=zero2"), 4, "parallel.data=zero2 over dp=2 is not built yet"),
 ])
 def test_bad_pp_settings(tmp_path, overrides, world, message):
@@ -193,6 +194,6 @@ def test_checkpoints_reshard_both_ways(runs, single_pp, tmp_path):
     assert sample(job_output(launch, dirs["resumed"])) == ref_sample
     back = str(tmp_path / "back")
     train.run(make_cfg(*small_run(*PP_RUN, f"train.max_steps={2 * STEPS}",
-                                  f"train.resume={ckpt(dirs['1f1b-pp4-ddp'], STEPS)}")), back)
+                                  f"train.resume={ckpt(dirs['1f1b-pp4-ddp-scratch'], STEPS)}")), back)
     assert_steps(back, ref, STEPS + 1, 2 * STEPS)
     assert_weights(ckpt(back, 2 * STEPS), ckpt(ref, 2 * STEPS))

@@ -44,8 +44,8 @@ def draw(ax, name, p, m, v):
                         arrowprops=dict(arrowstyle="->", lw=0.4, color="gray", alpha=0.6))
     ax.set_ylim(p - 0.5, -0.5)
     ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
-    ax.set_title(f"{name}{f' (v={v})' if v > 1 else ''}: bubble {pp.bubble(acts, v):.2f}, peak held {[pp.peak_in_flight(a) for a in acts]}",
-                 fontsize=9)
+    held = [pp.peak_in_flight(a) for a in acts]
+    ax.set_title(f"{name}{f' (v={v})' if v > 1 else ''}: bubble {pp.bubble(acts, v):.2f}, peak held {held}", fontsize=9)
     return max(e for row in times for _, e, _ in row)
 
 
