@@ -90,6 +90,11 @@ def test_equal_to_single(runs, single_pp, schedule, pp_, data, impl):
         assert val[0] == pytest.approx(ref_val[0], rel=1e-5)  # step 0
     out = job_output(launch, run_dir)
     assert f"pipeline: {schedule}, {16 // (2 * dp)} micro-batches per step" in out
+    # model state on rank 0 (the first stage: the embedding and 8 / pp blocks of 12 d^2 + 2 d) is that stage's
+    # parameters x 16 bytes (fp32 weight, gradient, two Adam moments), / dp under FSDP; + Adam's step counters
+    stage = 512 * 64 + 8 // pp_ * (12 * 64 * 64 + 2 * 64)
+    expected = stage * (16 / dp if data == "fsdp" else 16)
+    assert expected <= last["state_bytes"] <= expected * 1.001
     # p2p: each micro-batch's activation forward and its gradient back over every stage boundary
     m, v = 16 // (2 * dp), 2 if schedule == "interleaved_1f1b" else 1
     assert last["p2p_bytes_pipeline"] == 2 * m * (2 * 64 * 64) * (pp_ * v - 1) * 4
