@@ -129,18 +129,9 @@ def forked(world, fn):
 
 def torchrun_jobs(nproc, jobs, timeout=600):
     """Several train.py jobs [(run dir, [overrides])] on nproc local ranks (gloo), in one torchrun launch
-    (tests/layouts.py): torch, Hydra and W&B start once per rank for all of them. Returns the CompletedProcess."""
-    import json
-    import subprocess
-    import sys
-    import tempfile
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump([[d, list(o)] for d, o in jobs], f)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.join(ROOT, "tests", "layouts.py"), f.name]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                       cwd=ROOT)
-    os.unlink(f.name)
+    (tools/jobs.py): torch, Hydra and W&B start once per rank for all of them. Returns the CompletedProcess."""
+    from tools import jobs as job_runner
+    p = job_runner.launch(nproc, jobs, timeout=timeout)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     return p
 

@@ -191,3 +191,10 @@ def test_autocast_keeps_a_bf16_copy_of_fp32_weights_and_none_of_bf16_ones():
     shape = {"vocab": m.padded_vocab_size, "n_embd": m.n_embd, "n_layer": m.n_layer}
     assert fp32 == plan.autocast_copy_bytes(shape, model.num_params(), 1) > 0
     assert autocast_weight_copies(torch.bfloat16)[0] == 0
+
+
+def test_precision_tool_bad_input(tmp_path):
+    from tools import precision
+    with pytest.raises(SystemExit, match="error: --world must be at least 2"):
+        precision.main(["--world", "1", "--out", str(tmp_path)])
+    assert list(tmp_path.iterdir()) == []  # nothing written

@@ -1,0 +1,48 @@
+"""Run several train.py jobs in one torchrun launch: `python -m torch.distributed.run --nproc_per_node=N
+-m tools.jobs JOBS.json`, JOBS a list of [run dir, [overrides]]. One process group and one start of torch, Hydra,
+W&B and datasets per rank serve them all (each rank spends seconds importing them); train.run leaves a process
+group it did not create in place, and builds its own mesh inside it each time. The tests' launches
+(tests/conftest.py torchrun_jobs) and tools/precision.py go through here."""
+import json
+import os
+import sys
+
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main(path):
+    sys.path.insert(0, ROOT)
+    import train
+    from tools.plan import compose
+    with open(path) as f:
+        jobs = json.load(f)
+    dist.init_process_group("gloo")
+    for run_dir, overrides in jobs:
+        if dist.get_rank() == 0:  # markers around each job's console output, for tests that read it
+            print(f"layouts: start {run_dir}", flush=True)
+        train.run(compose(overrides, "config"), run_dir)
+        if dist.get_rank() == 0:
+            print(f"layouts: done {run_dir}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def launch(nproc, jobs, timeout=None, env=None):
+    """Run `jobs` [(run dir, [overrides])] on nproc local ranks in one torchrun launch; the CompletedProcess."""
+    import subprocess
+    import tempfile
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump([[d, list(o)] for d, o in jobs], f)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "tools.jobs", f.name]
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    finally:
+        os.unlink(f.name)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
