@@ -326,6 +326,8 @@ def tp_degree(p, world):
 def predict(cfg, world, strategy=None, tp=None, ac=None, shape=None, plan=None):
     """Every number of one layout: the configured one, or `strategy`/`tp`/`ac` (activation checkpointing mode) in
     its place, the parallel knobs staying the configured ones. With `plan` (the cluster), step time and MFU too."""
+    if config.degrees(cfg.parallel, world)["pp"] > 1:
+        raise config.ConfigError("tools/plan.py has no theory of pipeline parallelism yet: use parallel.pp=1")
     shape = shape or model_shape(cfg)
     strategy = strategy or config.layout_name(cfg.parallel, world)
     tp = tp or tp_degree(cfg.parallel, world)
