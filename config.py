@@ -14,6 +14,7 @@ each shard group, replicas across them). `degrees()` turns them into sizes for a
 result as the planner and metrics do (single, ddp, ..., tp, fsdp_tp, hsdp, fsdp_cp).
 """
 import dataclasses
+import math
 import shutil
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -26,9 +27,11 @@ from model import GPTConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DATA_STRATEGIES = ("none", "ddp", "zero1", "zero2", "fsdp")
-# the mesh's dimensions, outermost first: rank = (i_dp * cp + i_cp) * tp + i_tp (a tp group is neighbours)
-DIMS = ("dp", "cp", "tp")
+# the mesh's dimensions, outermost first: rank = ((i_pp * dp + i_dp) * cp + i_cp) * tp + i_tp (a tp group is
+# neighbours, pipeline stages farthest apart: only activations cross between them)
+DIMS = ("pp", "dp", "cp", "tp")
 CP_METHODS = ("ring", "allgather")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 # a dimension the mesh holds as several, outermost first (torchtitan's names); the flattened whole keeps its name
 SPLIT = {"dp": ("dp_replicate", "dp_shard")}  # HSDP: i_dp = i_replicate * dp_shard + i_shard (neighbours shard)
 
@@ -91,6 +94,9 @@ class Parallel:
     reshard_after_forward: bool = MISSING
     prefetch: int = at_least(0)
     cpu_offload: bool = MISSING
+    pp: Optional[int] = at_least(1)
+    pp_schedule: str = choice(*PP_SCHEDULES)
+    pp_virtual: int = at_least(1)
 
 
 @dataclass
@@ -222,32 +228,34 @@ def degrees(p, world):
     group of dp, plain FSDP)."""
     tp = world if p.tp is None else p.tp
     cp = max(1, world // max(1, tp)) if p.cp is None else p.cp
-    dp = p.dp if p.dp is not None else max(1, world // max(1, tp * cp))
+    pp = p.get("pp", 1)  # null: what tp, cp and dp leave
+    pp = pp if pp is not None else max(1, world // max(1, tp * cp * (p.dp or 1)))
+    dp = p.dp if p.dp is not None else max(1, world // max(1, tp * cp * pp))
     shard, replicate = p.get("dp_shard"), p.get("dp_replicate", 1)
     if shard is None:
         shard = max(1, dp // replicate) if replicate else dp
     if replicate is None:
         replicate = max(1, dp // shard)
-    return {"dp": dp, "cp": cp, "tp": tp, "dp_replicate": replicate, "dp_shard": shard}
+    return {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "dp_replicate": replicate, "dp_shard": shard}
 
 
 def layout_name(p, world):
     """The layout as the planner and metrics name it: single, ddp, zero1, zero2, fsdp (one dimension, dp), hsdp (fsdp
     with replicas), tp (DDP over dp where dp > 1), fsdp_tp, zero1_tp, zero2_tp, hsdp_tp; with context parallel, cp
-    alone (DDP over cp) or _cp after the others' name (fsdp_cp, tp_cp)."""
+    alone (DDP over cp) or _cp after the others' name (fsdp_cp, tp_cp); with pipeline stages, pp alone or pp_
+    before it (pp_ddp, pp_fsdp, pp_tp, pp_fsdp_tp)."""
     d = degrees(p, world)
-    if d["cp"] > 1:
-        base = _layout_name_dp_tp(p, d)
-        return "cp" if base in ("single", "ddp") else f"{base}_cp"
-    return _layout_name_dp_tp(p, d)
-
-
-def _layout_name_dp_tp(p, d):
     if p.data == "fsdp" and d["dp_replicate"] > 1:
-        return "hsdp" if d["tp"] == 1 else "hsdp_tp"
-    if d["tp"] > 1:
-        return "tp" if p.data in ("none", "ddp") else f"{p.data}_tp"
-    return "single" if p.data == "none" else p.data
+        name = "hsdp" if d["tp"] == 1 else "hsdp_tp"
+    elif d["tp"] > 1:
+        name = "tp" if p.data in ("none", "ddp") else f"{p.data}_tp"
+    else:
+        name = "single" if p.data == "none" else p.data
+    if d["cp"] > 1:
+        name = "cp" if name in ("single", "ddp") else f"{name}_cp"
+    if d["pp"] > 1:
+        return "pp" if name == "single" or (name == "ddp" and d["dp"] == 1) else f"pp_{name}"
+    return name
 
 
 # the strategies whose weights on a rank are a working copy apart from the float32 master (ours: zero1, zero2,
@@ -277,7 +285,7 @@ def check_parallel(p, world, model, seq_len, cpu_bf16=True, bf16=True, compile_=
     GPTConfig (layers, heads, widths, padded vocab) the run will build; `bf16`: whether the device the run computes
     on can compute in bfloat16 (`cpu_bf16`: whether the CPU can); `dtype`: train.dtype resolved."""
     name, d = layout_name(p, world), degrees(p, world)
-    dp, cp, tp = d["dp"], d["cp"], d["tp"]
+    dp, cp, tp, pp = d["dp"], d["cp"], d["tp"], d["pp"]
     p = resolved(p, dtype)
     if p.param_dtype != "float32":
         if p.data not in ("zero1", "zero2", "fsdp"):
@@ -307,12 +315,14 @@ def check_parallel(p, world, model, seq_len, cpu_bf16=True, bf16=True, compile_=
                 f"`torchrun --nproc_per_node=N train.py parallel={name}` (N >= 2)")
     if world % tp:
         return f"parallel.tp={tp} must divide the number of ranks ({world})"
-    if world % (cp * tp):
-        return f"parallel.cp={cp} x parallel.tp={tp} = {cp * tp} must divide the number of ranks ({world})"
-    if dp * cp * tp != world:
-        return (f"parallel.dp={dp} x parallel.tp={tp} = {dp * tp}, but {world} ranks were launched" if cp == 1 else
-                f"parallel.dp={dp} x parallel.cp={cp} x parallel.tp={tp} = {dp * cp * tp}, but {world} ranks were "
-                f"launched")
+    fixed = [(k, d[k]) for k in ("pp", "cp") if d[k] > 1] + [("tp", tp)]  # the degrees set, dp what they leave
+    if len(fixed) > 1 and world % math.prod(v for _, v in fixed):
+        return (" x ".join(f"parallel.{k}={v}" for k, v in fixed) + f" = {math.prod(v for _, v in fixed)} must "
+                f"divide the number of ranks ({world})")
+    if pp * dp * cp * tp != world:
+        used = [(k, d[k]) for k in ("pp", "dp", "cp", "tp") if k in ("dp", "tp") or d[k] > 1]
+        return (" x ".join(f"parallel.{k}={v}" for k, v in used) + f" = {math.prod(v for _, v in used)}, but "
+                f"{world} ranks were launched")
     if dp > 1 and p.data == "none":
         return f"parallel.dp={dp} replicas need a data-parallel strategy: parallel.data={_or(DATA_STRATEGIES[1:])}"
     if cp > 1 and p.data == "none":
@@ -436,6 +446,44 @@ def check_deepspeed(p, name, tp, compile_):
     return None
 
 
+def check_pipeline(p, world, model, micro_batches):
+    """The error message for pipeline settings that can't work, or None; `micro_batches`: per step and dp rank."""
+    d = degrees(p, world)
+    pp, s = d["pp"], p.pp_schedule
+    if pp == 1:
+        return None
+    v = p.pp_virtual if s == "interleaved_1f1b" else 1
+    if s == "interleaved_1f1b" and v < 2:
+        return "parallel.pp_schedule=interleaved_1f1b with parallel.pp_virtual=1 is 1f1b; set pp_virtual to 2 or more"
+    if pp * v > model.n_layer:
+        return (f"parallel.pp={pp}{f' x pp_virtual={v}' if v > 1 else ''} = {pp * v} stages, but the model has "
+                f"{model.n_layer} blocks (model.n_layer): every stage needs at least one")
+    if v > 1 and model.n_layer % (pp * v):
+        return (f"parallel.pp_schedule=interleaved_1f1b: pp={pp} x pp_virtual={v} = {pp * v} virtual stages must "
+                f"divide the model's {model.n_layer} blocks")
+    if v > 1 and micro_batches % pp:
+        return (f"parallel.pp_schedule=interleaved_1f1b sends micro-batches through each chunk in groups of pp={pp}, "
+                f"but a step has {micro_batches} (train.global_batch_size / (micro_batch_size x dp)); make it a "
+                f"multiple of {pp}")
+    if d["tp"] > 1:
+        return "parallel.pp > 1 with parallel.tp > 1 is not built yet; use one of them"
+    if d["cp"] > 1:
+        return "parallel.pp > 1 with parallel.cp > 1 is not built yet; use one of them"
+    if d["dp_replicate"] > 1:
+        return "parallel.pp > 1 with HSDP (parallel.dp_replicate > 1) is not built yet; use parallel.dp_replicate=1"
+    if p.impl == "deepspeed":
+        return "parallel.pp > 1 with parallel.impl=deepspeed is not wired; use parallel.impl=scratch or torch"
+    if p.impl == "torch" and (p.data != "none" or d["dp"] > 1):
+        return ("parallel.pp > 1 with parallel.impl=torch (torch.distributed.pipelining) runs without a data "
+                "strategy here: use parallel.data=none and dp=1, or parallel.impl=scratch")
+    if d["dp"] > 1 and (s == "interleaved_1f1b" or p.data in ("zero1", "zero2")):
+        # the data strategies reduce a bucket when one backward has filled it; a rank's last interleaved backward
+        # covers one of its chunks only
+        return (f"parallel.pp_schedule={s} with parallel.data={p.data} over dp={d['dp']} is not built yet; use "
+                f"gpipe, 1f1b or zero_bubble with data ddp or fsdp")
+    return None
+
+
 def check_model(m):
     if m.n_embd % m.n_head:
         return f"model.n_head={m.n_head} must divide model.n_embd={m.n_embd}: every head gets n_embd / n_head channels"
@@ -493,10 +541,13 @@ def check(cfg, world):
             raise ConfigError(problem)
     if t.compile and compile_problem(device):
         raise ConfigError(compile_problem(device))
-    dp = degrees(cfg.parallel, world)["dp"]  # tensor-parallel ranks share one slice of the batch
+    dp = degrees(cfg.parallel, world)["dp"]  # tensor-parallel and pipeline ranks share one slice of the batch
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size "
                           f"({t.micro_batch_size}) x data-parallel ranks ({dp})")
+    problem = check_pipeline(cfg.parallel, world, cfg.model, t.global_batch_size // (t.micro_batch_size * dp))
+    if problem:
+        raise ConfigError(problem)
     if t.seq_len > cfg.model.block_size:
         raise ConfigError(f"train.seq_len={t.seq_len} is longer than the model's context "
                           f"(model.block_size={cfg.model.block_size})")

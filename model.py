@@ -146,15 +146,19 @@ class GPT(nn.Module):
         """Logits, or the mean loss where targets are given. `positions`: each token's position in its sequence
         (T,), where idx holds not a whole sequence but some of its pieces (parallel/cp.py); default 0..T-1."""
         x = self.wte(idx)
-        T = idx.size(1)
-        cos, sin = (self.rope_cos[:T], self.rope_sin[:T]) if positions is None else \
-            (self.rope_cos[positions], self.rope_sin[positions])
+        cos, sin = self.rope(idx.size(1), positions)
         for block in self.blocks:
             x = block(x, cos, sin)
         logits = self.head(self.norm(x))
         if targets is None:
             return logits
         return self.loss(logits, targets)
+
+    def rope(self, T, positions=None):
+        """The RoPE tables (cos, sin) of T tokens at `positions`, or at 0..T-1."""
+        if positions is None:
+            return self.rope_cos[:T], self.rope_sin[:T]
+        return self.rope_cos[positions], self.rope_sin[positions]
 
     def loss(self, logits, targets):
         """Mean cross-entropy over all positions, in float32. A method of its own so that a strategy which splits
@@ -176,10 +180,13 @@ class GPT(nn.Module):
     def generate(self, idx, max_new_tokens, temperature=0.8, top_k=50):
         for _ in range(max_new_tokens):
             logits = self(idx[:, -self.cfg.block_size:])[:, -1, :].float()
-            logits[:, self.cfg.vocab_size:] = -float("inf")  # padding ids are not tokens
-            if top_k:
-                kth = torch.topk(logits, min(top_k, self.cfg.vocab_size)).values[:, -1:]
-                logits[logits < kth] = -float("inf")
-            probs = F.softmax(logits / temperature, dim=-1)
-            idx = torch.cat([idx, torch.multinomial(probs, 1)], dim=1)
+            idx = torch.cat([idx, self.next_token(logits, temperature, top_k)], dim=1)
         return idx
+
+    def next_token(self, logits, temperature=0.8, top_k=50):
+        """One token per row drawn from the last position's logits (B, vocab): top-k, then temperature."""
+        logits[:, self.cfg.vocab_size:] = -float("inf")  # padding ids are not tokens
+        if top_k:
+            kth = torch.topk(logits, min(top_k, self.cfg.vocab_size)).values[:, -1:]
+            logits[logits < kth] = -float("inf")
+        return torch.multinomial(F.softmax(logits / temperature, dim=-1), 1)

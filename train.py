@@ -32,6 +32,7 @@ import parallel
 from config import ConfigError
 from data import prepare, shards
 from model import GPT
+from parallel import pp
 from parallel.comm import CommCounter
 from tools import checkpoint, dry_run, launch, plan
 from tools.checkpoint import Diverged
@@ -74,7 +75,10 @@ def train_step(par, x, y, accum, micro_batch_size, autocast, max_norm):
     backward, the gradients' last sums, clipping, the step. Returns (the micro-batches' summed loss, the global
     gradient norm), both left on the device. tools/dry_run.py runs this very step."""
     loss_sum = torch.zeros((), device=par.device)
-    for micro in range(accum):
+    if par.pipeline:  # the micro-batches stream through the stages by the schedule (parallel/pp.py)
+        with autocast, par.loss_context():
+            loss_sum = par.pipeline.step(x, y, accum, micro_batch_size)
+    for micro in range(0 if par.pipeline else accum):  # (a pipeline has run them above)
         sl = slice(micro * micro_batch_size, (micro + 1) * micro_batch_size)
         # only the last micro-step's backward communicates; the others accumulate gradients locally
         with par.no_sync() if micro < accum - 1 else contextlib.nullcontext(), par.loss_context():
@@ -97,14 +101,16 @@ def evaluate(par, val, t, autocast, rank, world):
     total = torch.zeros((), device=par.device)
     for i in range(t.eval_steps):
         x, y = shards.get_batch(val, "val", t.seed, i, t.micro_batch_size * dp, t.seq_len, par.dp_rank, dp)
-        with autocast, par.loss_context():
-            total += par.model(x.to(par.device), y.to(par.device)).float()
+        x, y = x.to(par.device), y.to(par.device)
+        with autocast, par.loss_context():  # a pipeline's last stage holds the loss, the others zero
+            total += (par.pipeline.evaluate(x, y) if par.pipeline else par.model(x, y)).float()
     if world > 1:
-        # the tp ranks of a dp group hold the same loss, cp ranks the means of equal pieces: the mean over all is right
+        # the tp ranks of a dp group hold the same loss, cp ranks the means of equal pieces (and the last stage of
+        # a pipeline alone holds it): the mean over all ranks that hold it is right
         dist.all_reduce(total)
     par.data.reshard()  # a forward without backward may leave sharded parameters gathered
     par.model.train()
-    return total.item() / (t.eval_steps * world)
+    return total.item() / (t.eval_steps * world // par.dims["pp"])
 
 
 def run(cfg, run_dir):
@@ -195,6 +201,9 @@ def run(cfg, run_dir):
            f"data: {len(train_tokens):,} train / {len(val_tokens):,} val tokens | {device} {dtype} | "
            f"{world} rank(s) {name} ({' x '.join(f'{k}={v}' for k, v in par.dims.items())}), "
            f"grad accumulation {accum} | run dir {run_dir}")
+    if par.pipeline:
+        print0(f"pipeline: {cfg.parallel.pp_schedule}, {accum} micro-batches per step | " +
+               "; ".join(pp.describe(mcfg.n_layer, par.dims["pp"], par.pipeline.v)))
     if resume:
         metrics.log({"step": start, "resumed_from": resume})
     ckpt, last_checkpoint = cfg.checkpoint, resume
@@ -257,13 +266,18 @@ def run(cfg, run_dir):
                 worst = torch.tensor([comm_bytes, state], dtype=torch.float64, device=device)
                 if world > 1:
                     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-                record.update(loss=loss_sum.item() / (accum * world), lr=lr, grad_norm=grad_norm.item(),
+                record.update(loss=loss_sum.item() / (accum * world // par.dims["pp"]), lr=lr,
+                              grad_norm=grad_norm.item(),
                               tok_per_s=tok_s, step_time_s=dt * tokens_per_step / tokens_since,
                               peak_mem_mb=peak_memory_mb(device), comm_bytes=comm_bytes, state_bytes=state,
                               comm_bytes_max=int(worst[0]), state_bytes_max=int(worst[1]),
                               **{f"comm_{dim}_{kind}": n for (dim, kind), n in sorted(comm_by_dim.items())})
                 if device.startswith("cuda"):
                     record["peak_reserved_mb"] = peak_reserved_mb(device)
+                if par.pipeline:  # what one pipeline's stages send each other per step (each p2p byte counts
+                    sent = torch.tensor(comm_by_dim.get(("pp", "p2p"), 0) / 2, device=device)  # at both ends)
+                    dist.all_reduce(sent, group=par.mesh.get_group("pp"))
+                    record["p2p_bytes_pipeline"] = int(sent.item())
                 if par.data.transient_bytes is not None:  # our FSDP: most bytes of gathered units held at once
                     record["transient_bytes"] = par.data.transient_bytes
                 if peak:
@@ -295,7 +309,8 @@ def run(cfg, run_dir):
         torch.manual_seed(t.seed)
         prompt = torch.tensor([enc.encode_ordinary(t.sample_prompt) or [prepare.tokenizer.eot_id(enc)]], device=device)
         with autocast:
-            out = par.module.generate(prompt, t.sample_tokens)
+            out = par.pipeline.generate(prompt, t.sample_tokens) if par.pipeline else \
+                par.module.generate(prompt, t.sample_tokens)
         print0("--- sample ---\n" + enc.decode(out[0].tolist()) + "\n--------------")
     metrics.close()
     if dist.is_initialized():

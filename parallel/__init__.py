@@ -1,11 +1,13 @@
 """Parallel strategies, applied to model.py's GPT from outside (model.py imports nothing from here).
 
-One device mesh, built once from the degrees in `parallel.*` (config.degrees): ("dp", "cp", "tp"), tensor parallel
-inside each group of `tp` neighbouring ranks (one node's GPUs, on NVLink), context parallel across cp such groups,
-data parallel across the rest; "dp" is built as ("dp_replicate", "dp_shard") (HSDP's replicas of FSDP shard groups;
-1 x dp otherwise) and flattened back into "dp". Every strategy takes its process groups from it, by name.
+One device mesh, built once from the degrees in `parallel.*` (config.degrees): ("pp", "dp", "cp", "tp"), tensor
+parallel inside each group of `tp` neighbouring ranks (one node's GPUs, on NVLink), context parallel across cp such
+groups, data parallel across the rest, pipeline stages outermost (only activations cross between them); "dp" is
+built as ("dp_replicate", "dp_shard") (HSDP's replicas of FSDP shard groups; 1 x dp otherwise) and flattened back
+into "dp". Every strategy takes its process groups from it, by name.
 `parallelize` composes them in one fixed order (torchtitan's):
 
+  0. pipeline stages              parallel/pp.py          over "pp", when pp > 1: this rank keeps its stages only
   1. tensor / sequence parallel   parallel/tp.py          over "tp", when tp > 1
   2. context parallel             parallel/cp.py          over "cp", when cp > 1
   3. activation checkpointing     torch.utils.checkpoint  train.activation_checkpointing
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 import config
-from parallel import comm, cp, ddp, fsdp, tp, zero, zero_deepspeed
+from parallel import comm, cp, ddp, fsdp, pp, tp, zero, zero_deepspeed
 from parallel.strategy import DataParallel, TensorParallel, clip_grad_norm, dp_mesh, materialize, state_bytes
 
 # parallel.data x parallel.impl -> the function that applies it over "dp" (and builds the optimizer)
@@ -66,9 +68,10 @@ class Parallelized:
     data: DataParallel
     tp: TensorParallel
     mesh: object  # None for one process without a process group
-    dims: dict  # {"dp": n, "cp": n, "tp": n}
+    dims: dict  # {"pp": n, "dp": n, "cp": n, "tp": n}
     device: str
     dp_rank: int = 0  # this rank's coordinate on "dp": which slice of the global batch it takes
+    pipeline: object = None  # parallel/pp.py's Pipeline of this rank's stages, when pp > 1
 
     def no_sync(self):
         return self.data.no_sync()
@@ -91,6 +94,8 @@ def parallelize(model, p, mesh, make_optimizer, device, train):
     The global RNG must be seeded: every layout draws the same initial weights as parallel=single."""
     dims = {k: mesh.get_group(k).size() for k in config.DIMS} if mesh is not None else {k: 1 for k in config.DIMS}
     dp_rank = dp_mesh(mesh).get_local_rank() if mesh is not None else 0
+    # 0. pipeline: keep this rank's stages only (still on the meta device), with single's names
+    pipeline = pp.split(model, mesh, p, device) if dims["pp"] > 1 else None
     # 1. tensor parallel: ours shards the meta model in place; torch's materializes it whole and distributes it
     par_tp = TensorParallel()
     if dims["tp"] > 1:
@@ -107,6 +112,8 @@ def parallelize(model, p, mesh, make_optimizer, device, train):
     # 5. data parallel: ours FSDP materializes one shard at a time; everything else materializes here first. One
     # replica (parallel=single, or tensor parallel alone) needs no strategy; FSDP runs on one rank too, to be timed
     init_param = par_tp.init_param or model.init_param
+    if pipeline is not None:  # each parameter drawn where single's RNG stream has it
+        init_param = pipeline.init_param(init_param)
     one_replica = p.data == "none" or (dims["dp"] * dims["cp"] == 1 and p.data != "fsdp")
     if p.data == "fsdp" and p.impl == "scratch":
         data = fsdp.apply_fsdp(model, data_mesh, p, make_optimizer, device, init_param)
@@ -114,7 +121,10 @@ def parallelize(model, p, mesh, make_optimizer, device, train):
         materialize(model, init_param, device)
         data = DataParallel(model, make_optimizer) if one_replica else \
             DATA_PARALLEL[p.data, p.impl](model, data_mesh, p, make_optimizer)
-    return Parallelized(data.model, data.module, data.optimizer, data, par_tp, mesh, dims, device, dp_rank)
+    if pipeline is not None:  # the schedule calls the stages through the data strategy's wrapper and hooks
+        pipeline.call, pipeline.no_sync = data.model, data.no_sync
+    return Parallelized(data.model, data.module, data.optimizer, data, par_tp, mesh, dims, device, dp_rank,
+                        pipeline)
 
 
 def apply_activation_checkpointing(model, mode, every=1):

@@ -53,10 +53,10 @@ from parallel.strategy import DataParallel, Sharded, dp_mesh, owned_segments, sh
 def units_of(model, blocks_per_unit):
     """[(name, [modules in forward order])]: embedding, blocks in groups of blocks_per_unit, norm + head."""
     blocks = list(model.blocks)
-    groups = [("wte", [model.wte])]
+    groups = [("wte", [model.wte])] if model.wte is not None else []  # a pipeline stage may lack either end
     for i in range(0, len(blocks), blocks_per_unit):
         groups.append((f"blocks.{i}-{min(i + blocks_per_unit, len(blocks)) - 1}", blocks[i: i + blocks_per_unit]))
-    return groups + [("head", [model.norm, model.head])]
+    return groups + ([("head", [model.norm, model.head])] if model.head is not None else [])
 
 
 class FSDP(Sharded):
@@ -291,8 +291,9 @@ def apply_torch_fsdp(model, mesh, p, make_optimizer, blocks_per_unit=None, resha
     kw = dict(mesh=mesh["dp_replicate", "dp_shard"] if hsdp else dp_mesh(mesh), mp_policy=mp,
               offload_policy=offload,
               reshard_after_forward=p.reshard_after_forward if reshard_after_forward is None else reshard_after_forward)
-    for _, modules in units_of(model, blocks_per_unit or p.blocks_per_unit)[1:-1]:
-        fully_shard(modules, **kw)
+    for name, modules in units_of(model, blocks_per_unit or p.blocks_per_unit):
+        if name.startswith("blocks"):
+            fully_shard(modules, **kw)
     return TorchFSDP(fully_shard(model, **kw), make_optimizer)
 
 

@@ -147,7 +147,8 @@ def clip_shards(grad_shards, max_norm, group=None, device=None, weights=None):
     weights = weights or [1.0] * len(grad_shards)
     sq = sum(w * g.float().pow(2).sum() for g, w in zip(grad_shards, weights))
     sq = sq.to(device) if device is not None else sq  # shards offloaded to CPU; nccl reduces device tensors
-    dist.all_reduce(sq, group=group)
+    for g in group if isinstance(group, tuple) else (group,):  # a tuple of groups: summed over each in turn
+        dist.all_reduce(sq, group=g)
     norm = sq.sqrt()
     if math.isfinite(max_norm):
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -165,14 +166,26 @@ def clip_grad_norm(data, tp, mesh, max_norm, device):
     whole mesh, tensor parallel's over tp only (dp replicas hold the same ones after DDP); the tp-replicated norm
     gains weigh 1/tp, so that summed over the tp ranks they count once."""
     params = list(data.module.parameters())
+    # pipeline stages hold disjoint parameters: their squared norms add up over the pp group
+    pp = mesh.get_group("pp") if mesh is not None and "pp" in mesh.mesh_dim_names and mesh["pp"].size() > 1 \
+        else None
     if any(isinstance(p, DTensor) for p in params):
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        if pp is None:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        sq = (norm.full_tensor() if isinstance(norm, DTensor) else norm).pow(2)
+        dist.all_reduce(sq, group=pp)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, sq.sqrt())
+        return sq.sqrt()
     if not data.grads_sharded and tp.size == 1:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if pp is None:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return clip_shards([p.grad for p in params if p.grad is not None], max_norm, pp, device)
     pieces = data.grad_pieces()
-    group = None if data.grads_sharded else mesh.get_group("tp")  # None: the default group, the whole mesh
-    # HSDP's replicas hold the same pieces: each counts 1/replicas on each of them
+    # None: the default group, the whole mesh (every stage too); HSDP's replicas hold the same pieces: each counts
+    # 1/replicas on each of them
+    group = None if data.grads_sharded else mesh.get_group("tp") if pp is None else (mesh.get_group("tp"), pp)
     return clip_shards([g for _, g in pieces], max_norm, group, device,
                        weights=[(1 / tp.size if tp.replicated(n) else 1.0) / data.replicas for n, _ in pieces])
 

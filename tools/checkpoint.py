@@ -451,8 +451,9 @@ def load(path, par):
         raise CheckpointError(f"{path} holds {info.get('optimizer')}'s state, this run's optimizer is {optimizer}")
     layout = _layout(par)
     names = {k[len("model."):] for k in saved if k.startswith("model.")}
-    if names != set(layout):
-        diff = sorted(names ^ set(layout))
+    model_names = par.pipeline.names if par.pipeline else set(layout)  # a pipeline stage holds some of them
+    if names != model_names:
+        diff = sorted(names ^ model_names)
         raise CheckpointError(f"{path} is a checkpoint of another model: {len(diff)} parameters differ, e.g. "
                               f"{diff[0]} (saved with model {info.get('model')})")
     for name, e in layout.items():

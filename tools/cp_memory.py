@@ -11,6 +11,7 @@ backward. The count is exact where a peak RSS would be noise.
 import argparse
 import multiprocessing
 import os
+import queue
 import socket
 
 import torch
@@ -38,7 +39,6 @@ def _rank(rank, cp, port, method, shape, seq_len, batch, out):
     from omegaconf import OmegaConf
     from torch.distributed.device_mesh import init_device_mesh
 
-    import config
     from model import GPT, GPTConfig
     from parallel import cp as context_parallel
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -47,7 +47,7 @@ def _rank(rank, cp, port, method, shape, seq_len, batch, out):
     model = GPT(GPTConfig(block_size=seq_len, **shape))
     model.init_weights()
     if cp > 1:
-        mesh = init_device_mesh("cpu", (1, cp, 1), mesh_dim_names=config.DIMS)
+        mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))  # apply_cp takes only its group
         context_parallel.apply_cp(model, mesh, OmegaConf.create({"cp_method": method}))
     g = torch.Generator().manual_seed(1)
     idx, targets = (torch.randint(0, shape["vocab_size"], (batch, seq_len), generator=g) for _ in range(2))
@@ -70,7 +70,15 @@ def measure(cp, method="ring", shape=TINY, seq_len=8192, batch=1):
     ranks = [ctx.Process(target=_rank, args=(r, cp, port, method, shape, seq_len, batch, out)) for r in range(cp)]
     for p in ranks:
         p.start()
-    result = out.get(timeout=600)
+    result = None
+    while result is None:  # a rank that dies puts nothing: fail then, not after a long timeout
+        try:
+            result = out.get(timeout=2)
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in ranks):
+                for p in ranks:
+                    p.kill()
+                raise RuntimeError("a cp rank failed: its traceback is in the captured stderr")
     for p in ranks:
         p.join()
     assert all(p.exitcode == 0 for p in ranks), "a rank failed"

@@ -447,6 +447,8 @@ def predict(cfg, world, strategy=None, tp=None, ac=None, shape=None, plan=None, 
     """Every number of one layout: the configured one, or `strategy`/`tp`/`ac` (activation checkpointing mode)/`cp`
     in its place, the parallel knobs staying the configured ones. With `plan` (the cluster), step time and MFU too.
     `strategy` is the layout's name (config.layout_name): fsdp_cp with cp > 1, fsdp with cp = 1."""
+    if config.degrees(cfg.parallel, world)["pp"] > 1:
+        raise config.ConfigError("tools/plan.py has no theory of pipeline parallelism yet: use parallel.pp=1")
     shape = shape or model_shape(cfg)
     strategy = strategy or config.layout_name(cfg.parallel, world)
     tp = tp or tp_degree(cfg.parallel, world)

@@ -1,0 +1,425 @@
+"""Pipeline parallelism from scratch: the GPT's blocks split into stages, one (or v) per rank, and micro-batches
+streamed through them by an explicit schedule.
+
+GPipe (Huang et al., 2019); 1F1B (PipeDream-Flush, Narayanan et al., 2019); interleaved 1F1B (Narayanan et al.,
+2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"); zero bubble ZB-H1 (Qi et
+al., 2023, "Zero Bubble Pipeline Parallelism").
+
+  stages      n_layer blocks split as evenly as they go into pp x v virtual stages; virtual stage k lives on pp
+              rank k % pp (its chunk k // pp). The embedding sits on the first, final norm + head + loss on the last.
+  memory      each rank holds only its stages' parameters (~1/pp of the blocks), plus the activations of the
+              micro-batches in flight: all m under GPipe, at most pp - rank under 1F1B and ZB-H1
+  comm        point-to-point only: each micro-batch's activation (b, s, d) forward over each of the pp - 1 stage
+              boundaries, and its gradient back: 2 m (b s d) (p - 1) elements per step and pipeline (x v under
+              interleaving, which has pp v - 1 boundaries)
+  bubble      idle share of a step, costing forward 1 and backward 2: (p - 1) / (m + p - 1) for GPipe and 1F1B,
+              (p - 1) / (v m + p - 1) interleaved, less for ZB-H1 (its weight gradients fill the cool-down)
+
+A schedule is a list of actions per rank, (kind, chunk, micro-batch), kind F (forward), B (backward: input and
+weight gradients; under zero_bubble only the input gradient, what the previous stage waits for) and W (the
+weight gradients, deferred). `schedule()` builds them, `simulate()` times them with unit costs (the bubble, the
+Gantt chart of tools/pp_schedule.py), and `Pipeline.step` runs one: before each action it posts, in one batch, the
+sends of the action before and the receive the action after needs, so activations travel while it computes.
+
+The torch twin (parallel.impl=torch, `Pipeline.torch_step`): torch.distributed.pipelining's PipelineStage over the
+same chunks, with ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble.
+
+Every rank builds only its stages' parameters from the meta device, with parallel=single's values: `split` first
+walks the whole model once, drawing each parameter into a scratch tensor and noting the RNG state before it, so
+that a stage's parameter is later drawn from exactly the state a single process would draw it from, in whatever
+order tensor parallel or FSDP materialize it. The stage keeps single's parameter names (blocks.5 stays blocks.5),
+so checkpoints reshard between pp and every other layout by name (tools/checkpoint.py).
+"""
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+F, B, W = "F", "B", "W"
+
+
+# --- the stage split
+def split_blocks(n_layer, n_stages):
+    """[range of block indices] for each of n_stages virtual stages, the first n_layer % n_stages one block longer."""
+    size, extra = divmod(n_layer, n_stages)
+    out, lo = [], 0
+    for k in range(n_stages):
+        hi = lo + size + (k < extra)
+        out.append(range(lo, hi))
+        lo = hi
+    return out
+
+
+def describe(n_layer, pp, v):
+    """The split as one line per rank, e.g. 'rank 0: wte + blocks 0-1'."""
+    ranges, n = split_blocks(n_layer, pp * v), pp * v
+    lines = []
+    for r in range(pp):
+        parts = []
+        for k in range(r, n, pp):
+            blocks = ranges[k]
+            piece = f"blocks {blocks[0]}-{blocks[-1]}" if len(blocks) > 1 else f"block {blocks[0]}"
+            parts.append(("wte + " if k == 0 else "") + piece + (" + norm, head, loss" if k == n - 1 else ""))
+        lines.append(f"rank {r}: " + " | ".join(parts))
+    return lines
+
+
+# --- the schedules: [(kind, chunk, micro-batch)] for one rank of p, m micro-batches
+def gpipe(p, m, rank):
+    """Every forward, then every backward (in reverse order, as the last forward's gradient arrives first)."""
+    return [(F, 0, i) for i in range(m)] + [(B, 0, i) for i in reversed(range(m))]
+
+
+def one_f_one_b(p, m, rank):
+    """Warm-up: p - 1 - rank forwards; then one forward, one backward while forwards remain; then the backwards.
+    A rank holds at most p - rank micro-batches' activations, however large m is."""
+    warm = min(p - 1 - rank, m)
+    out = [(F, 0, i) for i in range(warm)]
+    for i in range(m - warm):
+        out += [(F, 0, warm + i), (B, 0, i)]
+    return out + [(B, 0, i) for i in range(m - warm, m)]
+
+
+def interleaved_1f1b(p, m, rank, v):
+    """Megatron's interleaved 1F1B: v chunks per rank, micro-batches in groups of p through each chunk in turn. The
+    k-th forward on every rank is chunk (k // p) % v of micro-batch (k // (p v)) p + k % p; backwards go through
+    the chunks in reverse. Warm-up is (p - 1 - rank) 2 + (v - 1) p forwards; then 1F1B over the (chunk, micro) pairs."""
+    n = m * v
+
+    def forward(k):
+        return (F, (k // p) % v, (k // (p * v)) * p + k % p)
+
+    def backward(k):
+        return (B, v - 1 - (k // p) % v, (k // (p * v)) * p + k % p)
+    warm = min((p - 1 - rank) * 2 + (v - 1) * p, n)
+    out = [forward(k) for k in range(warm)]
+    for k in range(n - warm):
+        out += [forward(warm + k), backward(k)]
+    return out + [backward(k) for k in range(n - warm, n)]
+
+
+def zero_bubble_h1(p, m, rank):
+    """ZB-H1: 1F1B with each backward split into B (the input gradient, which the previous stage waits for) and W
+    (the weight gradients, which nobody waits for). Rank r defers its W's by r micro-batches: then the B's run back
+    through the stages at the speed of B alone, and the deferred W's fill the cool-down, where 1F1B's ranks wait.
+    A rank holds at most p micro-batches (p - 1 - r warm-up + 1 + r deferred), 1F1B's peak."""
+    warm = min(p - 1 - rank, m)
+    out, n_w = [(F, 0, i) for i in range(warm)], 0
+    for i in range(m):
+        out += ([(F, 0, warm + i)] if warm + i < m else []) + [(B, 0, i)]
+        if i + 1 - n_w > rank:  # more than r W's outstanding: do the oldest
+            out.append((W, 0, n_w))
+            n_w += 1
+    return out + [(W, 0, i) for i in range(n_w, m)]
+
+
+def schedule(name, p, m, v=1):
+    """[actions] for every rank of p."""
+    if name == "gpipe":
+        return [gpipe(p, m, r) for r in range(p)]
+    if name == "1f1b":
+        return [one_f_one_b(p, m, r) for r in range(p)]
+    if name == "interleaved_1f1b":
+        return [interleaved_1f1b(p, m, r, v) for r in range(p)]
+    if name == "zero_bubble":
+        return [zero_bubble_h1(p, m, r) for r in range(p)]
+    raise ValueError(f"unknown pipeline schedule {name!r}")
+
+
+def virtual(rank, chunk, p):
+    return chunk * p + rank
+
+
+def simulate(actions, v=1, cost=None):
+    """Time the schedule: [[(start, end, action)] per rank], each rank doing its actions in order as soon as their
+    inputs exist (F after the previous stage's F, B after the next stage's B, W after its own B), communication
+    free. Costs per full stage: forward 1, backward 2 (B 1 + W 1 where the schedule splits them); a chunk of an
+    interleaved rank costs 1/v of that. Raises on a schedule that can never finish."""
+    split = any(a[0] == W for acts in actions for a in acts)
+    cost = cost or ({F: 1, B: 1, W: 1} if split else {F: 1, B: 2})
+    p, n = len(actions), len(actions) * v
+    done, times = {}, [[] for _ in actions]
+    pos, free = [0] * p, [0.0] * p
+    while any(pos[r] < len(actions[r]) for r in range(p)):
+        progressed = False
+        for r in range(p):
+            if pos[r] == len(actions[r]):
+                continue
+            kind, chunk, i = action = actions[r][pos[r]]
+            s = virtual(r, chunk, p)
+            deps = {F: [(F, s - 1, i)] if s > 0 else [],
+                    B: [(F, s, i)] + ([(B, s + 1, i)] if s < n - 1 else []),
+                    W: [(B, s, i)]}[kind]
+            if any(d not in done for d in deps):
+                continue
+            start = max([free[r]] + [done[d] for d in deps])
+            end = start + cost[kind] / v
+            done[kind, s, i], free[r] = end, end
+            times[r].append((start, end, action))
+            pos[r] += 1
+            progressed = True
+        if not progressed:
+            waiting = [a[k] for a, k in zip(actions, pos) if k < len(a)]
+            raise RuntimeError(f"the schedule deadlocks: the ranks' next actions {waiting} wait on each other")
+    return times
+
+
+def bubble(actions, v=1):
+    """The idle share of the step's span, summed over ranks (simulate's unit costs)."""
+    times = simulate(actions, v)
+    span = max(end for t in times for _, end, _ in t)
+    busy = sum(end - start for t in times for start, end, _ in t)
+    return 1 - busy / (span * len(times))
+
+
+def peak_in_flight(actions):
+    """The most (chunk, micro-batch) pairs whose activations a rank holds at once: forward done, the last of its
+    backward passes (B, or W where it is split off) not yet."""
+    split = any(a[0] == W for a in actions)
+    held, peak = set(), 0
+    for kind, chunk, i in actions:
+        if kind == F:
+            held.add((chunk, i))
+            peak = max(peak, len(held))
+        elif kind == (W if split else B):
+            held.discard((chunk, i))
+    return peak
+
+
+# --- building a rank's stages from the meta device
+def _generator(device):
+    d = torch.device(device)
+    if d.type == "cuda":
+        return torch.cuda.default_generators[d.index if d.index is not None else torch.cuda.current_device()]
+    return torch.default_generator
+
+
+@torch.no_grad()
+def split(model, mesh, p, device):
+    """Keep in `model` (a GPT on the meta device) only this pp rank's stages; returns its Pipeline. Draws every
+    parameter once, as parallel=single would, to note where each one's values start in the RNG stream."""
+    pp, v, rank = mesh["pp"].size(), p.pp_virtual if p.pp_schedule == "interleaved_1f1b" else 1, \
+        mesh["pp"].get_local_rank()
+    gen = _generator(device)
+    states = {}
+    for name, param in model.named_parameters():
+        states[name] = gen.get_state()
+        model.init_param(name, torch.empty(param.shape, dtype=param.dtype, device=device))
+    states[None] = gen.get_state()  # where single's stream is once the model is drawn
+    n = pp * v
+    ranges = split_blocks(model.cfg.n_layer, n)
+    chunks = [dict(first=k == 0, last=k == n - 1, blocks=list(ranges[k])) for k in range(rank, n, pp)]
+    mine = [i for c in chunks for i in c["blocks"]]
+    # the blocks keep their single-process names (a ModuleList with its kept keys), the other pieces go
+    model.blocks._modules = {str(i): model.blocks[i] for i in mine}
+    if not chunks[0]["first"]:
+        model.wte = None
+    if not chunks[-1]["last"]:
+        model.norm = model.head = None
+    pipe = Pipeline(model, chunks, mesh, p, device, states)
+    model.forward = pipe.stage_forward  # what the strategies' wrappers (DDP, FSDP's hooks) call
+    return pipe
+
+
+class Pipeline:
+    """This rank's stages and the executor of a schedule over them."""
+
+    def __init__(self, model, chunks, mesh, p, device, states):
+        self.model, self.chunks, self.device, self.states = model, chunks, device, states
+        self.group = mesh.get_group("pp")
+        self.pp, self.rank, self.v = mesh["pp"].size(), mesh["pp"].get_local_rank(), len(chunks)
+        self.peers = [dist.get_global_rank(self.group, r) for r in range(self.pp)]
+        self.name, self.impl, self.torch_schedule = p.pp_schedule, p.impl, None
+        self.tp_split = mesh["tp"].size() if p.sequence_parallel else 1  # activations between stages, per rank
+        self.dtype = torch.bfloat16 if p.param_dtype == "bfloat16" and p.data != "none" else torch.float32
+        self.names = set(states) - {None}  # the whole model's parameters, for checkpoints
+        self.call, self.no_sync = model, contextlib.nullcontext  # set by parallelize to the data strategy's
+        self.log, self.peak = [], 0  # the actions run, in order; the most micro-batches held at once
+
+    def init_param(self, inner):
+        """init_param(name, tensor) that draws from where single's stream stood before that parameter."""
+        gen = _generator(self.device)
+
+        def init(name, t):
+            gen.set_state(self.states[name])
+            inner(name, t)
+            gen.set_state(self.states[None])
+        return init
+
+    def stage_forward(self, x, targets=None, chunk=0):
+        """One chunk: token ids (first stage) or the previous stage's activation in; the activation, or on the
+        last stage the logits (loss with targets), out."""
+        c, m = self.chunks[chunk], self.model
+        cos, sin = m.rope(x.size(1))
+        if c["first"]:
+            x = m.wte(x)
+        for i in c["blocks"]:
+            x = m.blocks._modules[str(i)](x, cos, sin)
+        if not c["last"]:
+            return x
+        logits = m.head(m.norm(x))
+        return logits if targets is None else m.loss(logits, targets)
+
+    # --- point-to-point
+    def _stage(self, chunk):
+        return virtual(self.rank, chunk, self.pp)
+
+    def _peer(self, stage):
+        return self.peers[stage % self.pp]
+
+    def _tag(self, kind, stage, micro):
+        return (micro * self.pp * self.v + stage) * 2 + (kind != F)  # gloo matches by tag; NCCL by order
+
+    def _needs(self, action, shape):
+        """(peer, tag, buffer) this action receives before it runs, or None."""
+        kind, chunk, i = action
+        s = self._stage(chunk)
+        if kind == F and s > 0:
+            return self._peer(s - 1), self._tag(F, s, i), torch.empty(shape, dtype=self.dtype, device=self.device)
+        if kind == B and s < self.pp * self.v - 1:
+            return self._peer(s + 1), self._tag(B, s, i), torch.empty(shape, dtype=self.dtype, device=self.device)
+        return None
+
+    def _post(self, sends, recv):
+        ops = [dist.P2POp(dist.isend, t, peer, self.group, tag) for peer, tag, t in sends]
+        if recv is not None:
+            ops.append(dist.P2POp(dist.irecv, recv[2], recv[0], self.group, recv[1]))
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    # --- running a schedule
+    def run(self, actions, x, y, shape, accum=1, train=True):
+        """Run `actions` over micro-batches x[i], y[i]; returns this rank's summed loss (zero off the last stage).
+        Each rank's last gradient pass runs outside no_sync: it is the one that has the data strategy reduce."""
+        last_stage = self.pp * self.v - 1
+        grads_in = W if any(a[0] == W for a in actions) else B
+        final = max(i for i, a in enumerate(actions) if a[0] == grads_in) if train else -1
+        held = {}  # (chunk, micro) -> (input, output[, output gradient])
+        loss_sum = torch.zeros((), device=self.device)
+        sends, works = [], []  # works: every send and receive posted, oldest first
+        recv = self._needs(actions[0], shape) if actions else None
+        works += self._post([], recv)
+        for n, action in enumerate(actions):
+            kind, chunk, i = action
+            s = self._stage(chunk)
+            # this action's receive was posted one action ago; post the next one's with the last action's sends
+            here, recv = recv, self._needs(actions[n + 1], shape) if n + 1 < len(actions) else None
+            posted = self._post(sends, recv)
+            if here is not None:
+                # wait in the order posted, up to this action's receive (gloo: one work per op; a send it left
+                # unwaited once a later receive on the pair has completed never completes)
+                for w in works:
+                    w.wait()
+                works = []
+            works, sends = works + posted, []
+            self.log.append(action)
+            if kind == F:
+                inp = here[2].requires_grad_(train) if s > 0 else x[i]
+                out = self.call(inp, y[i] if s == last_stage else None, chunk=chunk)
+                if s == last_stage:
+                    loss_sum += out.detach()
+                    out = out / accum  # each micro-batch weighs 1/accum, as in single's accumulation
+                else:
+                    sends.append((self._peer(s + 1), self._tag(F, s + 1, i), out.detach()))
+                if train:
+                    held[chunk, i] = (inp, out)
+                    self.peak = max(self.peak, len(held))
+                continue
+            if kind == B:  # the output's gradient: received from the next stage, or none (the loss)
+                inp, out = held.pop((chunk, i))[:2]
+                grad = here[2] if here is not None else None
+            else:
+                inp, out, grad = held.pop((chunk, i))
+            g = None
+            with self.no_sync() if n != final else contextlib.nullcontext():
+                if kind == B and grads_in == B:  # input and weight gradients in one pass
+                    torch.autograd.backward(out, grad)
+                    g = inp.grad if s > 0 else None
+                elif kind == B:  # the input gradient alone; the graph stays for W
+                    g = torch.autograd.grad(out, inp, grad, retain_graph=True)[0] if s > 0 else None
+                    held[chunk, i] = (inp, out, grad)
+                else:  # W: the weight gradients, through the kept graph
+                    torch.autograd.backward(out, grad, inputs=self.params)
+            if g is not None:
+                sends.append((self._peer(s - 1), self._tag(B, s - 1, i), g))
+        works += self._post(sends, None)
+        for w in works:
+            w.wait()
+        return loss_sum
+
+    def step(self, x, y, accum, micro):
+        """One training step's forward and backward over its accum micro-batches of `micro` sequences."""
+        if self.impl == "torch":
+            return self.torch_step(x, y, accum)
+        xs, ys = x.split(micro), y.split(micro)
+        self.log = []
+        self.params = [q for q in self.model.parameters() if q.requires_grad]  # W's (FSDP swaps parameters)
+        actions = schedule(self.name, self.pp, accum, self.v)[self.rank]
+        return self.run(actions, xs, ys, self._shape(x, micro), accum)
+
+    def _shape(self, x, micro):
+        return micro, x.size(1) // self.tp_split, self.model.cfg.n_embd
+
+    # --- torch's twin: torch.distributed.pipelining's schedules over the same stages
+    def torch_step(self, x, y, accum):
+        """One step by torch's schedule (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, or its zero-bubble
+        ScheduleInterleavedZeroBubble), each of this rank's chunks a PipelineStage. The batch goes in whole: torch
+        splits it into accum micro-batches, and scales the gradients by 1 / accum itself."""
+        from torch.distributed import pipelining as tp_
+        if self.torch_schedule is None:
+            stages = [tp_.PipelineStage(_Chunk(self, c), self._stage(c), self.pp * self.v, torch.device(self.device),
+                                        group=self.group) for c in range(self.v)]
+            single = {"gpipe": tp_.ScheduleGPipe, "1f1b": tp_.Schedule1F1B}
+            multi = {"interleaved_1f1b": tp_.ScheduleInterleaved1F1B,
+                     "zero_bubble": tp_.ScheduleInterleavedZeroBubble}
+            loss = (lambda logits, targets: self.model.loss(logits, targets))
+            self.torch_schedule = single[self.name](stages[0], accum, loss_fn=loss) if self.name in single else \
+                multi[self.name](stages, accum, loss_fn=loss)
+        first, last = self.chunks[0]["first"], self.chunks[-1]["last"]
+        losses = []
+        self.torch_schedule.step(*([x] if first else []), target=y if last else None, losses=losses)
+        return torch.stack(losses).detach().sum() if last else torch.zeros((), device=self.device)
+
+    def evaluate(self, x, y):
+        """The loss of one batch on the last stage, zero on the others (train.evaluate sums over ranks)."""
+        with torch.no_grad():
+            return self.run([(F, c, 0) for c in range(self.v)], [x], [y], self._shape(x, x.size(0)), train=False)
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens):
+        """model.generate through the pipeline: the last stage computes the logits and draws each token (the RNG
+        draws single's draws), then hands it to every stage."""
+        m = self.model
+        for _ in range(max_new_tokens):
+            ctx = idx[:, -m.cfg.block_size:]
+            shape = (ctx.size(0), ctx.size(1) // self.tp_split, m.cfg.n_embd)
+            token = torch.zeros((idx.size(0), 1), dtype=idx.dtype, device=idx.device)
+            x = ctx
+            for c in range(self.v):
+                s = self._stage(c)
+                if s > 0:
+                    x = torch.empty(shape, dtype=self.dtype, device=self.device)
+                    dist.recv(x, self._peer(s - 1), self.group, tag=s)
+                x = self.call(x, None, chunk=c)
+                if s < self.pp * self.v - 1:
+                    dist.send(x, self._peer(s + 1), self.group, tag=s + 1)
+                else:
+                    token = m.next_token(x[:, -1, :].float())
+            dist.broadcast(token, self.peers[-1], group=self.group)
+            idx = torch.cat([idx, token], dim=1)
+        return idx
+
+
+class _Chunk(torch.nn.Module):
+    """One of this rank's chunks as the module a torch PipelineStage runs: the same blocks (shared, not copied),
+    forward(x) -> the activation, or the logits on the last stage (torch's schedule computes the loss)."""
+
+    def __init__(self, pipe, chunk):
+        super().__init__()
+        c, m = pipe.chunks[chunk], pipe.model
+        self.wte = m.wte if c["first"] else None
+        self.blocks = torch.nn.ModuleList(m.blocks._modules[str(i)] for i in c["blocks"])
+        self.norm, self.head = (m.norm, m.head) if c["last"] else (None, None)
+        self.run = lambda x: pipe.call(x, None, chunk=chunk)  # through the data strategy's wrapper
+
+    def forward(self, x):
+        return self.run(x)

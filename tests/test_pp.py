@@ -1,0 +1,204 @@
+"""Pipeline parallelism: every schedule equal to single-process training, at pp=2 and pp=4 and beside data
+parallel; the schedules' shapes (order, activations held, bubble) checked without processes; p2p bytes measured
+against 2 m (b s d) (p - 1); bad settings refused up front."""
+import contextlib
+import io
+
+import pytest
+
+from conftest import RUN, job_output, make_cfg, read_metrics, small_run, torchrun_jobs
+import train
+from parallel import pp
+
+# 8 blocks: pp=4 x pp_virtual=2 virtual stages of one block each
+STEPS = 3  # each pipeline run's; the reference goes on to 2 STEPS, for the checkpoint round trips
+PP_RUN = (*(o for o in RUN if not o.startswith("train.max_steps")), "model.n_layer=8", "checkpoint.every=3")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+# (schedule, pp, data strategy over dp, impl): world 4 each; torch's (torch.distributed.pipelining) without one
+CASES = [(s, 4, "ddp", "scratch") for s in SCHEDULES] + [(s, 4, "none", "torch") for s in SCHEDULES] + \
+    [("gpipe", 2, "ddp", "scratch"), ("1f1b", 2, "fsdp", "scratch"), ("zero_bubble", 2, "ddp", "scratch")]
+IDS = [f"{s}-pp{p}-{d}-{i}" for s, p, d, i in CASES]
+
+
+def sample(out):
+    return out.split("--- sample ---\n")[1].split("\n--------------")[0]
+
+
+@pytest.fixture(scope="session")
+def single_pp(tmp_path_factory):
+    """The reference run (2 STEPS, a checkpoint after STEPS), and the sample it printed at the end."""
+    run_dir = str(tmp_path_factory.mktemp("single_pp") / "run")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train.run(make_cfg(*small_run(*PP_RUN, f"train.max_steps={2 * STEPS}", "train.sample_tokens=8")), run_dir)
+    return run_dir, sample(out.getvalue())
+
+
+def steps(run_dir, first, last):
+    return [{k: r[k] for k in ("loss", "grad_norm")} for r in read_metrics(run_dir)
+            if "loss" in r and first <= r["step"] <= last]
+
+
+def assert_steps(run_dir, ref, first, last):
+    """Per-step loss and grad_norm of steps first..last equal to the reference's (rtol 1e-5)."""
+    got, want = steps(run_dir, first, last), steps(ref, first, last)
+    assert len(got) == len(want) == last - first + 1
+    for g, w in zip(got, want):
+        for k in w:
+            assert g[k] == pytest.approx(w[k], rel=1e-5), (k, g, w)
+
+
+def assert_weights(path, ref_path):
+    """The weights of checkpoint `path` equal to those of `ref_path`, consolidated from whatever wrote them."""
+    import torch
+    from tools import checkpoint
+    got, ref = checkpoint.consolidate(path)[0], checkpoint.consolidate(ref_path)[0]
+    assert got.keys() == ref.keys()
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def ckpt(run_dir, step):
+    return f"{run_dir}/checkpoints/step_{step:07d}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, single_pp):
+    """Every case on 4 ranks, in one torchrun launch, and a pp=2 x dp=2 run resumed from single's checkpoint;
+    returns ({case id: run dir}, the launch)."""
+    root = tmp_path_factory.mktemp("pp")
+    dirs = {case: str(root / case) for case in IDS + ["resumed"]}
+    jobs = [(dirs[case], small_run(*PP_RUN, "parallel=pp", f"parallel.data={d}", f"parallel.pp={p}",
+                                   f"parallel.impl={i}", f"parallel.pp_schedule={s}", f"train.max_steps={STEPS}"))
+            for case, (s, p, d, i) in zip(IDS, CASES)]
+    jobs.append((dirs["resumed"], small_run(*PP_RUN, "parallel=pp", "parallel.pp=2", f"train.max_steps={2 * STEPS}",
+                                            "train.sample_tokens=8", f"train.resume={ckpt(single_pp[0], STEPS)}")))
+    return dirs, torchrun_jobs(4, jobs)
+
+
+@pytest.mark.parametrize("schedule,pp_,data,impl", CASES, ids=IDS)
+def test_equal_to_single(runs, single_pp, schedule, pp_, data, impl):
+    (dirs, launch), (ref, ref_sample) = runs, single_pp
+    run_dir, dp = dirs[IDS[CASES.index((schedule, pp_, data, impl))]], 4 // pp_
+    # the gradient norm covers every stage; the loss is the last stage's, meaned as one process means it
+    assert_steps(run_dir, ref, 1, STEPS)
+    assert_weights(ckpt(run_dir, STEPS), ckpt(ref, STEPS))  # every stage's checkpoint shard, under single's names
+    start, last = read_metrics(run_dir)[0], read_metrics(run_dir)[-1]
+    assert (start["pp"], start["dp"], start["tp"]) == (pp_, dp, 1)
+    if dp == 1:  # evaluated through the pipeline: single's loss on single's batches (dp ranks take more of them)
+        val, ref_val = ([r["val_loss"] for r in read_metrics(d) if "val_loss" in r] for d in (run_dir, ref))
+        assert val[0] == pytest.approx(ref_val[0], rel=1e-5)  # step 0
+    out = job_output(launch, run_dir)
+    assert f"pipeline: {schedule}, {16 // (2 * dp)} micro-batches per step" in out
+    # model state on rank 0 (the first stage: the embedding and 8 / pp blocks of 12 d^2 + 2 d) is that stage's
+    # parameters x 16 bytes (fp32 weight, gradient, two Adam moments), / dp under FSDP; + Adam's step counters
+    stage = 512 * 64 + 8 // pp_ * (12 * 64 * 64 + 2 * 64)
+    expected = stage * (16 / dp if data == "fsdp" else 16)
+    assert expected <= last["state_bytes"] <= expected * 1.001
+    # p2p: each micro-batch's activation forward and its gradient back over every stage boundary
+    m, v = 16 // (2 * dp), 2 if schedule == "interleaved_1f1b" else 1
+    assert last["p2p_bytes_pipeline"] == 2 * m * (2 * 64 * 64) * (pp_ * v - 1) * 4
+
+
+# --- the schedules' shapes, without processes: order, activations held, bubble (forward 1, backward 2)
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8), (4, 12)])
+def test_schedule_shapes(p, m):
+    gp, ob, zb = (pp.schedule(s, p, m) for s in ("gpipe", "1f1b", "zero_bubble"))
+    for acts in (gp, ob, zb):  # every rank runs every micro-batch's passes once, in micro-batch order
+        for rank in acts:
+            for kind in {k for k, _, _ in rank}:
+                order = [i for k, _, i in rank if k == kind]
+                assert sorted(order) == list(range(m)) and (order == sorted(order) or acts is gp)
+    assert [pp.peak_in_flight(r) for r in gp] == [m] * p  # GPipe holds every micro-batch
+    assert [pp.peak_in_flight(r) for r in ob] == [min(p - r, m) for r in range(p)]  # 1F1B at most p - rank
+    assert max(pp.peak_in_flight(r) for r in zb) <= p  # ZB-H1: 1F1B's peak
+    assert pp.bubble(gp) == pytest.approx((p - 1) / (m + p - 1))
+    assert pp.bubble(ob) == pytest.approx((p - 1) / (m + p - 1))
+    # ZB-H1 (Qi et al.): idle (p - 1)(F + B - W) per rank, B = W = 1
+    assert pp.bubble(zb) == pytest.approx((p - 1) / (3 * m + p - 1))
+    assert pp.bubble(zb) < pp.bubble(ob)
+    for v in (2, 3):  # Megatron's interleaved: the bubble shrinks v-fold
+        il = pp.schedule("interleaved_1f1b", p, m, v)
+        assert pp.bubble(il, v) == pytest.approx((p - 1) / (v * m + p - 1))
+        assert all(sorted((c, i) for k, c, i in r if k == "F") == [(c, i) for c in range(v) for i in range(m)]
+                   for r in il)
+
+
+def test_schedule_orders():
+    """The action lists themselves, for one small pipeline (p=2, m=3)."""
+    names = {s: [" ".join(f"{k}{i}" for k, _, i in r) for r in pp.schedule(s, 2, 3)] for s in ("gpipe", "1f1b",
+                                                                                                 "zero_bubble")}
+    assert names["gpipe"] == ["F0 F1 F2 B2 B1 B0"] * 2
+    assert names["1f1b"] == ["F0 F1 B0 F2 B1 B2", "F0 B0 F1 B1 F2 B2"]
+    assert names["zero_bubble"] == ["F0 F1 B0 W0 F2 B1 W1 B2 W2", "F0 B0 F1 B1 W0 F2 B2 W1 W2"]
+    assert pp.split_blocks(5, 2) == [range(0, 3), range(3, 5)]
+    assert pp.describe(4, 2, 2) == ["rank 0: wte + block 0 | block 2", "rank 1: block 1 | block 3 + norm, head, loss"]
+    with pytest.raises(RuntimeError, match="deadlocks"):  # the simulator refuses an order that can't run
+        pp.simulate([[("B", 0, 0), ("F", 0, 0)], [("F", 0, 0), ("B", 0, 0)]])
+
+
+def _executor_ranks():
+    """On each of 2 forked ranks, every schedule: Pipeline.step on a tiny GPT logs the schedule's own list, and
+    holds at most the list's peak of micro-batches."""
+    import torch
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+    from torch.distributed.device_mesh import init_device_mesh
+    from model import GPT, GPTConfig
+    from parallel.strategy import materialize
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
+    for schedule in SCHEDULES:
+        p = OmegaConf.create(dict(pp_schedule=schedule, pp_virtual=2, sequence_parallel=False, impl="scratch",
+                                  param_dtype="float32", data="none"))
+        with torch.device("meta"):
+            model = GPT(GPTConfig(vocab_size=128, block_size=16, n_layer=4, n_head=2, n_embd=16))
+        pipe = pp.split(model, mesh, p, "cpu")
+        materialize(model, pipe.init_param(model.init_param), "cpu")
+        x = torch.randint(0, 128, (8, 16))
+        pipe.step(x, x, 4, 2)
+        expected = pp.schedule(schedule, 2, 4, pipe.v)[pipe.rank]
+        assert pipe.log == expected, (schedule, pipe.log, expected)
+        assert pipe.peak == pp.peak_in_flight(expected), (schedule, pipe.peak)
+    dist.destroy_process_group()
+
+
+def test_executor_runs_the_list():
+    from conftest import forked
+    forked(2, _executor_ranks)
+
+
+@pytest.mark.parametrize("overrides,world,message", [
+    (("parallel=pp", "parallel.pp=3"), 4, "parallel.pp=3 x parallel.tp=1 = 3 must divide the number of ranks (4)"),
+    (("parallel=pp", "model.n_layer=2"), 4, "4 stages, but the model has 2 blocks"),
+    (("parallel=pp", "parallel.pp_schedule=interleaved_1f1b", "model.n_layer=6"), 2,
+     "pp=2 x pp_virtual=2 = 4 virtual stages must divide the model's 6 blocks"),
+    (("parallel=pp", "parallel.pp_schedule=interleaved_1f1b", "model.n_layer=4", "train.global_batch_size=12",
+      "train.micro_batch_size=4"), 2, "but a step has 3"),
+    (("parallel=pp", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual=1", "model.n_layer=4"), 2,
+     "pp_virtual=1 is 1f1b"),
+    (("parallel=pp", "parallel.pp_schedule=2f2b"), 2, "parallel.pp_schedule='2f2b': expected gpipe, 1f1b"),
+    (("parallel=pp", "parallel.pp=2", "parallel.tp=2"), 4, "parallel.tp > 1 is not built yet"),
+    (("parallel=pp", "parallel.impl=torch"), 2, "runs without a data strategy here"),
+    (("parallel=pp", "parallel.pp=2", "parallel.data=zero2"), 4, "parallel.data=zero2 over dp=2 is not built yet"),
+])
+def test_bad_pp_settings(tmp_path, overrides, world, message):
+    with pytest.raises(train.ConfigError) as err:
+        train.check_config(make_cfg(*small_run(*overrides)), str(tmp_path / "run"), world)
+    assert message in str(err.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_checkpoints_reshard_both_ways(runs, single_pp, tmp_path):
+    """single's checkpoint goes on under pp=2 x dp=2, and a pp=4 checkpoint goes on in one process: both equal
+    to the uninterrupted single run, step for step and in the final weights. The sample, drawn through the
+    pipeline at the end of the resumed run, is single's."""
+    (dirs, launch), (ref, ref_sample) = runs, single_pp
+    assert_steps(dirs["resumed"], ref, STEPS + 1, 2 * STEPS)
+    assert_weights(ckpt(dirs["resumed"], 2 * STEPS), ckpt(ref, 2 * STEPS))
+    assert sample(job_output(launch, dirs["resumed"])) == ref_sample
+    back = str(tmp_path / "back")
+    train.run(make_cfg(*small_run(*PP_RUN, f"train.max_steps={2 * STEPS}",
+                                  f"train.resume={ckpt(dirs['1f1b-pp4-ddp-scratch'], STEPS)}")), back)
+    assert_steps(back, ref, STEPS + 1, 2 * STEPS)
+    assert_weights(ckpt(back, 2 * STEPS), ckpt(ref, 2 * STEPS))
