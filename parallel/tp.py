@@ -30,7 +30,8 @@ Per rank, parameters are (2 V d + 12 L d^2) / tp + (2L + 1) d (the norm gains): 
 Applied to a model built on the meta device: `shard` swaps each parameter for a meta tensor of its local shape and
 returns the init function that fills a local shard by initializing the full parameter and keeping its slice, so
 every rank draws exactly the numbers parallel=single draws. model.py is untouched except that its loss is a method
-this file can replace.
+this file can replace. A pipeline stage (parallel/pp.py) is sharded the same way: the vocab-parallel embedding
+where the stage has the embedding (the first), the vocab-parallel loss where it has the head (the last).
 """
 import torch
 import torch.distributed as dist
