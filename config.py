@@ -466,8 +466,8 @@ def check_pipeline(p, world, model, micro_batches):
                 f"but a step has {micro_batches} (train.global_batch_size / (micro_batch_size x dp)); make it a "
                 f"multiple of {pp}")
     if d["tp"] > 1 and p.impl == "torch":
-        return ("parallel.pp > 1 with parallel.tp > 1 and parallel.impl=torch is not built yet (torch's pipelining "
-                "runs DTensor stages, but its tensor parallel is not wired to the stage split); use parallel.impl=scratch")
+        return ("parallel.pp > 1 with parallel.tp > 1 and parallel.impl=torch is not built yet (torch's tensor "
+                "parallel is not wired to the stage split); use parallel.impl=scratch")
     if d["cp"] > 1:
         return "parallel.pp > 1 with parallel.cp > 1 is not built yet; use one of them"
     if d["dp_replicate"] > 1:
