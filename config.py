@@ -465,8 +465,11 @@ def check_pipeline(p, world, model, micro_batches):
         return (f"parallel.pp_schedule=interleaved_1f1b sends micro-batches through each chunk in groups of pp={pp}, "
                 f"but a step has {micro_batches} (train.global_batch_size / (micro_batch_size x dp)); make it a "
                 f"multiple of {pp}")
-    if d["tp"] > 1:
-        return "parallel.pp > 1 with parallel.tp > 1 is not built yet; use one of them"
+    if d["tp"] > 1 and p.impl == "torch":
+        return ("parallel.pp > 1 with parallel.tp > 1 and parallel.impl=torch is not built yet (torch's tensor "
+                "parallel is not wired to the stage split); use parallel.impl=scratch")
+    if d["tp"] > 1 and d["cp"] > 1:
+        return "parallel.pp > 1 with both parallel.tp > 1 and parallel.cp > 1 is not built yet; drop one of them"
     if d["dp_replicate"] > 1:
         return "parallel.pp > 1 with HSDP (parallel.dp_replicate > 1) is not built yet; use parallel.dp_replicate=1"
     if p.impl == "deepspeed":

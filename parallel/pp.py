@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.cp import zigzag_positions
+from parallel.tp import gather_vocab
 
 F, B, W = "F", "B", "W"
 
@@ -233,6 +234,7 @@ class Pipeline:
         self.peers = [dist.get_global_rank(self.group, r) for r in range(self.pp)]
         self.name, self.impl, self.torch_schedule = p.pp_schedule, p.impl, None
         self.tp_split = mesh["tp"].size() if p.sequence_parallel else 1  # activations between stages, per rank
+        self.tp_group = mesh.get_group("tp") if mesh["tp"].size() > 1 else None  # the last stage's vocab slices
         self.dtype = torch.bfloat16 if p.param_dtype == "bfloat16" and p.data != "none" else torch.float32
         self.names = set(states) - {None}  # the whole model's parameters, for checkpoints
         self.call, self.no_sync = model, contextlib.nullcontext  # set by parallelize to the data strategy's
@@ -255,7 +257,9 @@ class Pipeline:
         last stage the logits (loss with targets), out. `positions`: the tokens' places in their sequences, under
         context parallel (this cp rank's zig-zag pieces)."""
         c, m = self.chunks[chunk], self.model
-        cos, sin = m.rope(x.size(1), positions)
+        # under sequence parallel a later stage's input holds this tp rank's 1/tp of the positions; its attention
+        # gathers them all, and takes the RoPE tables of the whole sequence (under cp: this cp rank's pieces)
+        cos, sin = m.rope(x.size(1) if c["first"] else x.size(1) * self.tp_split, positions)
         if c["first"]:
             x = m.wte(x)
         for i in c["blocks"]:
@@ -404,11 +408,16 @@ class Pipeline:
     @torch.no_grad()
     def generate(self, idx, max_new_tokens):
         """model.generate through the pipeline: the last stage computes the logits and draws each token (the RNG
-        draws single's draws), then hands it to every stage."""
+        draws single's draws), then hands it to every stage. Under tensor parallel each tp rank runs its own copy
+        of the pipeline, the last stage's tp ranks gather the vocab slices of the last position's logits and draw
+        the same token; under sequence parallel the context is padded on the right to a multiple of tp (attention
+        is causal: no real position sees the padding), as tp.pad_sequence_for_sampling does for a whole model."""
         m = self.model
         self.positions = None  # whole sequences on every cp rank, plain causal attention (as parallel/cp.py samples)
         for _ in range(max_new_tokens):
             ctx = idx[:, -m.cfg.block_size:]
+            length = ctx.size(1)
+            ctx = torch.nn.functional.pad(ctx, (0, -length % self.tp_split))
             shape = (ctx.size(0), ctx.size(1) // self.tp_split, m.cfg.n_embd)
             token = torch.zeros((idx.size(0), 1), dtype=idx.dtype, device=idx.device)
             x = ctx
@@ -421,7 +430,10 @@ class Pipeline:
                 if s < self.pp * self.v - 1:
                     dist.send(x, self._peer(s + 1), self.group, tag=s + 1)
                 else:
-                    token = m.next_token(x[:, -1, :].float())
+                    logits = x[:, length - 1, :]
+                    if self.tp_group is not None:
+                        logits = gather_vocab(logits, self.tp_group)
+                    token = m.next_token(logits.float())
             dist.broadcast(token, self.peers[-1], group=self.group)
             idx = torch.cat([idx, token], dim=1)
         return idx

@@ -167,8 +167,9 @@ def clip_grad_norm(data, tp, mesh, max_norm, device):
     gains weigh 1/tp, so that summed over the tp ranks they count once."""
     params = list(data.module.parameters())
     # pipeline stages hold disjoint parameters: their squared norms add up over the pp group
-    pp = mesh.get_group("pp") if mesh is not None and "pp" in mesh.mesh_dim_names and mesh["pp"].size() > 1 \
-        else None
+    # (get_group, not mesh["pp"]: slicing a mesh reads its rank tensor, a host read on every step)
+    pp = mesh.get_group("pp") if mesh is not None and "pp" in mesh.mesh_dim_names else None
+    pp = pp if pp is not None and pp.size() > 1 else None
     if any(isinstance(p, DTensor) for p in params):
         if pp is None:
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)

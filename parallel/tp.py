@@ -30,7 +30,8 @@ Per rank, parameters are (2 V d + 12 L d^2) / tp + (2L + 1) d (the norm gains): 
 Applied to a model built on the meta device: `shard` swaps each parameter for a meta tensor of its local shape and
 returns the init function that fills a local shard by initializing the full parameter and keeping its slice, so
 every rank draws exactly the numbers parallel=single draws. model.py is untouched except that its loss is a method
-this file can replace.
+this file can replace. A pipeline stage (parallel/pp.py) is sharded the same way: the vocab-parallel embedding
+where the stage has the embedding (the first), the vocab-parallel loss where it has the head (the last).
 """
 import torch
 import torch.distributed as dist
@@ -187,8 +188,9 @@ def shard(model, group, sequence_parallel=False):
         module.weight = nn.Parameter(torch.empty(shape, device=p.device, dtype=p.dtype))
         if isinstance(module, nn.Linear):
             module.out_features, module.in_features = shape
-    vocab_lo = r * model.wte.weight.size(0)
-    model.wte = VocabParallelEmbedding(model.wte.weight, vocab_lo, group, sequence_parallel)
+    vocab_lo = r * model.cfg.padded_vocab_size // n  # this rank's first row of the embedding and the head
+    if model.wte is not None:  # a pipeline stage has the embedding only if it is the first (parallel/pp.py)
+        model.wte = VocabParallelEmbedding(model.wte.weight, vocab_lo, group, sequence_parallel)
 
     # one f before each column-parallel group (attention: q, k, v; MLP: up; head) and one g after each row-parallel
     # layer; positional args only, as model.py calls them
@@ -196,18 +198,21 @@ def shard(model, group, sequence_parallel=False):
         for m in (block.attn, block.mlp):
             m.register_forward_pre_hook(lambda m, args: (enter.apply(args[0], group),) + args[1:])
             m.register_forward_hook(lambda m, args, out: leave.apply(out, group))
-    model.head.register_forward_pre_hook(lambda m, args: (enter.apply(args[0], group),))
+    if model.head is not None:  # and the head and loss only if it is the last
+        model.head.register_forward_pre_hook(lambda m, args: (enter.apply(args[0], group),))
 
-    def loss(logits, targets):
-        return VocabParallelCrossEntropy.apply(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
-                                               vocab_lo, group)
-    model.loss = loss
-    # called without targets (sampling), the model returns the full logits: gather the vocab slices
-    model.register_forward_hook(lambda m, args, kwargs, out: out if has_targets(args, kwargs) else
-                                _gather_last_dim(out, group), with_kwargs=True)
-
-    if sequence_parallel:
-        pad_sequence_for_sampling(model, n)
+        def loss(logits, targets):
+            return VocabParallelCrossEntropy.apply(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
+                                                   vocab_lo, group)
+        model.loss = loss
+    if model.wte is not None and model.head is not None:
+        # called without targets (sampling), the whole model returns the full logits: gather the vocab slices. A
+        # pipeline stage is called without targets for every activation it passes on, and no stage sees both the
+        # prompt and the logits: Pipeline.generate pads the prompt and gathers the logits itself
+        model.register_forward_hook(lambda m, args, kwargs, out: out if has_targets(args, kwargs) else
+                                    gather_vocab(out, group), with_kwargs=True)
+        if sequence_parallel:
+            pad_sequence_for_sampling(model, n)
 
     def init_param(name, local):
         full = torch.empty(full_shapes[name], dtype=local.dtype, device=local.device)
@@ -241,7 +246,8 @@ def has_targets(args, kwargs):
     return (len(args) > 1 and args[1] is not None) or kwargs.get("targets") is not None
 
 
-def _gather_last_dim(x, group):
+def gather_vocab(x, group):
+    """(..., V/tp) logits on every tp rank -> (..., V), the ranks' slices in order."""
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=-1)
