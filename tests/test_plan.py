@@ -1,5 +1,6 @@
 """The planner (tools/plan.py) against measurement: its state and comm per rank equal what real runs' counters
-record for every strategy at world sizes 1, 2 and 4; its activation count equals what autograd saves; the command
+record for every strategy at world sizes 1, 2 and 4 (pipelines: every stage's state, the p2p of a stage and of the
+pipeline, the schedule's bubble); its activation count equals what autograd saves; the command
 prints a plan and a ranking, and turns bad input into one line."""
 import json
 import os

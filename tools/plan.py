@@ -5,6 +5,7 @@ layout and cluster, from each strategy's theory. Pure arithmetic: nothing is all
     python -m tools.plan model=gpt_1p3b parallel=fsdp parallel.param_dtype=bfloat16 plan.world=64 plan.link=pcie
     python -m tools.plan parallel=fsdp_tp parallel.tp=8 plan.world=64
     python -m tools.plan parallel=hsdp plan.world=64   # FSDP within each node of 8, replicas across the 8 nodes
+    python -m tools.plan model=gpt_70b parallel=pp parallel.pp=8 parallel.data=fsdp parallel.tp=2 plan.world=64
     python -m tools.plan --figure1             # the ZeRO paper's Figure 1 from state_bytes, beside the paper's
 
 The settings are conf/plan.yaml: the training config as train.py composes it (model, data for the vocab, parallel,
@@ -32,6 +33,11 @@ tensor parallelism) and N the data-parallel ranks:
   K, V cross the "cp" dimension: the ring's (cp - 1) hops per layer, each hidden behind one block of attention
   when it is fast enough, or the all-gather's, exposed (`cp_comm_bytes`, `cp_activation_bytes`, `step_time`);
   the balance of (query, key) pairs over the cp ranks under the zig-zag split and the plain one (`cp_balance`).
+- pipeline parallel (parallel/pp.py, pp > 1; pp_predict): each pp rank's share of the model (pp_stages, as
+  split_blocks splits it), the data strategy over its stage's dp ranks; activations of the micro-batches the
+  schedule has it hold at once (peak_in_flight); p2p over "pp" ("pp", "p2p": kept apart from the collectives, as
+  cp's ring is); the step stretched by the schedule's bubble (parallel/pp.py's bubble of its own action lists).
+  pp groups span nodes first (pp is the mesh's outermost dimension). The rank with the most memory is reported.
 tests/test_plan.py checks state and comm against real runs' counters at world sizes 1, 2 and 4.
 """
 import functools
@@ -503,6 +509,7 @@ def pp_predict(cfg, world, strategy, tp, ac, shape, plan, cp, pp):
     clip = ("pp" if stage_world == 1 else "world", "all_reduce")  # the group parallel/comm.py files it under
     for r, s, n_held in zip(ranks, stages, held):
         kept, recompute = r["one_micro_batch"]
+        r["pp"] = pp
         r["memory"]["activations"] = kept * n_held / v + recompute
         r["total_memory"] = sum(r["memory"].values())
         r["comm"]["pp", "p2p"] = r["p2p_total"] = 2 * m * hop * s["boundaries"]
