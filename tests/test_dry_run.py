@@ -136,3 +136,18 @@ def test_train_py_entry(tmp_path):
         "`python train.py ... dry_run.world=512` alone"]
     ran = tmp_path / "torchrun"  # Hydra makes the run dir; nothing is written into it
     assert not os.path.exists(ran) or not os.listdir(ran)
+
+
+def test_pipeline_stage_at_world_64():
+    """pp=4 stages x our FSDP over 16, as rank 21 (the second stage, 6 of the 24 blocks, no embedding, no head):
+    the fake group's sends and receives return at once like its collectives, so the stage steps through 1F1B; its
+    state, FSDP's traffic, its p2p (two boundaries) and one micro-batch's activations equal the planner's numbers
+    for that pp rank."""
+    m, predicted = dry(*GPT_1P3B, "parallel=pp", "parallel.pp=4", "parallel.data=fsdp", "train.global_batch_size=64",
+                       rank=21)
+    assert m["dims"]["pp"] == 4 and m["dims"]["dp"] == 16 and predicted["stage"]["n_layer"] == 6
+    stage = predicted["pp_ranks"][1]
+    assert stage["state"] < predicted["pp_ranks"][0]["state"]  # the first stage's embedding is not here
+    assert_planner_equals(m, stage)
+    assert m["comm"][("pp", "p2p")] == pytest.approx(2 * predicted["pp_ranks"][0]["p2p_total"])
+    assert m["activation_bytes"] == pytest.approx(sum(stage["one_micro_batch"]), rel=0.02)

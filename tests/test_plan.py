@@ -1,5 +1,6 @@
 """The planner (tools/plan.py) against measurement: its state and comm per rank equal what real runs' counters
-record for every strategy at world sizes 1, 2 and 4; its activation count equals what autograd saves; the command
+record for every strategy at world sizes 1, 2 and 4 (pipelines: every stage's state, the p2p of a stage and of the
+pipeline, the schedule's bubble); its activation count equals what autograd saves; the command
 prints a plan and a ranking, and turns bad input into one line."""
 import json
 import os
@@ -16,6 +17,7 @@ import parallel
 import train
 from conftest import ROOT, SHARED, forked, make_cfg, read_metrics, small_corpus, small_run
 from model import GPT, GPTConfig
+from parallel import pp
 from tools import cp_memory, plan
 
 # 4 heads so that tensor parallelism can split them 4 ways; global 8 in micro-batches of 2: accumulation 4, 2, 1 at
@@ -24,17 +26,20 @@ SHORT = ("model.n_head=4", "train.global_batch_size=8", "train.micro_batch_size=
          "train.eval_every=100", "train.eval_steps=1", "checkpoint.keep=0", "train.dtype=float32")
 
 
-# pp.yaml left out: the planner has no pipeline theory yet (issue 16; tools/plan.py refuses pp layouts in one line)
-PRESETS = sorted(f[:-5] for f in os.listdir(os.path.join(ROOT, "conf", "parallel")) if f.endswith(".yaml")
-                 and f != "pp.yaml")
+PRESETS = sorted(f[:-5] for f in os.listdir(os.path.join(ROOT, "conf", "parallel")) if f.endswith(".yaml"))
 
 
 def measured_layouts():
-    """(preset, world) for every preset in conf/parallel, at every world size of 1, 2, 4 its checks accept."""
+    """(preset, world) for every preset in conf/parallel, at every world size of 1, 2, 4 its checks accept (pp's
+    among them: its 2 blocks make 2 stages at most)."""
     for strategy in PRESETS:
         cfg = make_cfg(*small_run(*SHORT, f"parallel={strategy}"))
+        model, t = config.model_config(cfg, 512), cfg.train
         for world in (1, 2, 4):
-            if config.check_parallel(cfg.parallel, world, config.model_config(cfg, 512), cfg.train.seq_len) is None:
+            dp = config.degrees(cfg.parallel, world)["dp"]
+            if config.check_parallel(cfg.parallel, world, model, t.seq_len) is None and \
+                    config.check_pipeline(cfg.parallel, world, model, t.global_batch_size // (t.micro_batch_size * dp)) \
+                    is None:
                 yield strategy, world
 
 
@@ -58,6 +63,9 @@ SP += [(s, 4, ("parallel.tp=2",)) for s in ("zero1", "zero2")]
 SP += [("zero1", 4, ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.param_dtype=bfloat16"))]
 # and HSDP 2 x 2 (its preset shards over a node's ranks, which a forked rank doesn't know: say it)
 SP += [("hsdp", 4, ("parallel.dp_shard=2",))]
+# and pipelines beside FSDP (pp=2 x dp=2), and interleaved over 4 ranks (8 virtual stages of one block each)
+SP += [("pp", 4, ("parallel.pp=2", "parallel.data=fsdp")),
+       ("pp", 4, ("model.n_layer=8", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual=2"))]
 
 
 @pytest.mark.parametrize("strategy,world,extra", [(s, w, ()) for s, w in LAYOUTS] + SP)
@@ -82,6 +90,15 @@ def test_prediction_equals_measurement(tmp_path, strategy, world, extra):
         if start["parallel"] == "hsdp":  # by mesh dimension: within dp_shard, and across dp_replicate
             for (dim, kind), v in predicted["comm"].items():
                 assert r[f"comm_{dim}_{kind}"] == pytest.approx(v, rel=0.02), (dim, kind)
+        if start["pp"] > 1:  # rank 0 is the first stage's; the largest stage's state is the max over ranks
+            stages = predicted["pp_ranks"]
+            assert r["state_bytes"] == pytest.approx(stages[0]["state"], rel=0.01)
+            assert r["state_bytes_max"] == pytest.approx(max(s["state"] for s in stages), rel=0.01)
+            assert r["comm_pp_p2p"] == pytest.approx(stages[0]["p2p_total"], rel=0.01)  # its sends and receives
+            assert r["p2p_bytes_pipeline"] == pytest.approx(predicted["p2p_pipeline"], rel=0.01)
+            schedule = pp.schedule(make_cfg(*overrides).parallel.pp_schedule, start["pp"], start["grad_accum"],
+                                   predicted["pp_virtual"])
+            assert predicted["bubble"] == pp.bubble(schedule, predicted["pp_virtual"])
         if start["parallel"] in ("fsdp", "fsdp_tp") and start["grad_accum"] > 1:
             # FSDP's transient under accumulation: every unit's local gradient sum (P x 4 bytes) with the units in
             # flight; the planner once left the sums out (5.6 GB per rank for gpt_1p3b at accumulation 8)
@@ -459,3 +476,25 @@ def test_long_context_plan():
     fitting = [r for r in rows if r[8].strip() == "yes"]
     assert {int(r[4]) for r in fitting} >= {1, 2, 4, 8}
     assert int(fitting[0][4]) > 1  # without activation checkpointing only split sequences fit; they are fastest
+
+
+# --- pipeline parallel: the planner's pp layouts on a model no node holds
+def test_pipeline_plan_for_70b():
+    """gpt_70b (65B parameters): FSDP x TP over one node of 8 H100s holds 16 bytes x 65B / 8 = 130 GB of state per
+    GPU, so it fits on no single node; pp=8 stages x tp=8 over 64 GPUs keep a stage's 1/8 per GPU. The report
+    prints the pipeline part (schedule, micro-batches, the bubble of parallel/pp.py's list), and the ranking holds
+    pp layouts across nodes, whose p2p is all that crosses the network when pp x tp spans the 64."""
+    big = ("model=gpt_70b", "parallel.data=fsdp", "parallel.tp=8", "train.activation_checkpointing=full")
+    node = plan.predict(plan_cfg(*big, "parallel=fsdp_tp"), 8, plan=cluster())
+    assert not node["fits"] and node["state"] > 80e9
+    cfg = plan_cfg(*big, "parallel=pp", "parallel.pp=8", "plan.world=64")
+    piped = plan.predict(cfg, 64, plan=cluster(world=64))
+    assert (piped["strategy"], piped["pp"], piped["dp"], piped["tp"], piped["micro_batches"]) == \
+        ("pp_fsdp_tp", 8, 1, 8, 64)
+    assert piped["fits"] and piped["bubble"] == pytest.approx(7 / (64 + 7))  # 1F1B: (p - 1) / (m + p - 1)
+    assert piped["crosses_nodes"] == pytest.approx(piped["p2p_total"])  # the stages' hops, nothing else
+    out = plan.report(cfg, plan.model_shape(cfg))
+    assert "layout: parallel=pp_fsdp_tp pp=8 (1f1b, 64 micro-batches, bubble 9.9%) x dp=1 x tp=8" in out
+    assert re.search(r"\n  pp +p2p ", out) and "pipeline bubble" in out
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "rank" not in line]
+    assert {r[1].strip() for r in rows if r[8].strip() == "yes"} >= {"pp_fsdp_tp", "pp_fsdp"}

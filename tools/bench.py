@@ -35,6 +35,13 @@ KNOBS = [("prefetch=0", ["parallel.prefetch=0"]),
          ("reshard_after_forward=false", ["parallel.reshard_after_forward=false"]),
          ("blocks_per_unit=2", ["parallel.blocks_per_unit=2"]),
          ("activation_checkpointing=full", ["train.activation_checkpointing=full"])]
+# pipeline rows (--strategies pp): every schedule, ours beside torch.distributed.pipelining's, on all ranks with no
+# data strategy (torch's twin runs without one here); 8 blocks, so that interleaving has 2 chunks per rank at pp=4,
+# and single on the same 8 blocks for reference
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+PP_MODEL = ["model.n_layer=8"]
+PP_JOBS = [("single", None, PP_MODEL)] + [("pp", i, [*PP_MODEL, "parallel.data=none", f"parallel.pp_schedule={s}"])
+                                          for s in PP_SCHEDULES for i in ("scratch", "torch")]
 DEFAULTS = ["train.global_batch_size=32", "train.micro_batch_size=8", "train.max_steps=25", "train.log_every=5",
             "train.eval_every=1000", "train.eval_steps=1", "train.sample_tokens=0", "checkpoint.keep=0",
             "logger.mode=disabled"]
@@ -81,7 +88,9 @@ def run_one(strategy, impl, world, overrides, run_dir, timeout=None):
         records = [json.loads(line) for line in f]
     steps = [r for r in records if "tok_per_s" in r][1:]  # the first window includes warm-up
     predicted = plan.predict_run(run_dir)  # the theory for this very config
-    records[0].update(comm_theory=predicted["comm_total"], state_theory=predicted["state"])
+    records[0].update(comm_theory=predicted["comm_total"], state_theory=predicted["state"],
+                      **({"p2p_theory": predicted["p2p_pipeline"], "bubble": predicted["bubble"],
+                          "in_flight": max(predicted["in_flight"])} if predicted["pp"] > 1 else {}))
     return records[0], statistics.median(r["tok_per_s"] for r in steps), steps[-1]
 
 
@@ -89,7 +98,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=2, help="ranks per multi-rank job (default 2)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of every configuration")
-    ap.add_argument("--strategies", default=",".join(s for s, _ in CONFIGS[::2]),
+    ap.add_argument("--strategies", default=",".join(s for s, _ in CONFIGS[::2]) + ",pp",
                     help="comma-separated subset to run (default: all; single is always run, FSDP's knobs with fsdp)")
     ap.add_argument("--compile", action="store_true",
                     help="also run every configuration with train.compile=true: compiled tok/s and compiled/eager")
@@ -99,7 +108,7 @@ def main():
     if a.world < 2 or a.rounds < 1:
         sys.exit("error: --world must be at least 2 and --rounds at least 1")
     chosen = {"single", *a.strategies.split(",")}
-    presets = [s for s, _ in CONFIGS[::2]]
+    presets = [s for s, _ in CONFIGS[::2]] + ["pp"]
     unknown = chosen - set(presets)
     if unknown:
         sys.exit(f"error: --strategies {','.join(sorted(unknown))}: expected some of {','.join(presets)}")
@@ -113,6 +122,8 @@ def main():
     os.makedirs(out)  # a new folder: never overwrites an earlier benchmark
 
     jobs = [(s, i, []) for s, i in configs] + [("fsdp", "scratch", o) for _, o in knobs]
+    first_pp = len(jobs)
+    jobs += PP_JOBS if "pp" in chosen else []
     # compiled twins of each configuration (torch's tensor parallel refuses compile: its collectives would run
     # inside the graphs, uncounted)
     compiled = {c: len(jobs) + n for n, c in enumerate(c for c in configs
@@ -127,7 +138,7 @@ def main():
                 start, tok_s, last = run_one(strategy, impl, a.world, [*a.overrides, *knob],
                                              os.path.join(tmp, f"{r}-{k}"))
                 results[k].append((start, tok_s, last))
-                print(f"[round {r + 1}/{a.rounds}] {strategy:6s} {impl or '':7s} {' '.join(knob):38s} "
+                print(f"[round {r + 1}/{a.rounds}] {strategy:6s} {impl or '':7s} {' '.join(knob)[-38:]:38s} "
                       f"{tok_s:10,.0f} tok/s ({time.time() - t0:.0f}s)", flush=True)
 
     def tok_s(k):
@@ -174,6 +185,7 @@ def main():
                       "vs_default": ratio(k, base), "peak_MiB": f"{peak_mib(k):.0f}",
                       "comm_in_psi": f"{results[k][-1][2]['comm_bytes'] / results[k][-1][0]['param_bytes']:.3f}"}
                      for label, k in knob_jobs]
+    pp_rows = pipeline_rows(results, jobs, first_pp, tok_s, ratio, peak_mib) if "pp" in chosen else []
     P = results[0][0][0]["n_params"]
     note = (f"{P:,} parameters; theory (ZeRO paper, fp32 Adam): comm 2 Psi for ddp/zero1/zero2, (2 x accumulation "
             f"+ 1) Psi for fsdp (within dp_shard for hsdp, and 2 Psi / dp_shard across dp_replicate); state 16P, "
@@ -183,17 +195,42 @@ def main():
             f"step (4P/N; ZeRO-1 holds 4P through backward); vs_torch is against the same strategy's torch row. peak_MiB: rank 0's "
             f"peak RSS above what it held before the model was built. Overrides: {' '.join(a.overrides) or '(none)'}; "
             f"{a.rounds} round(s).")
-    text = markdown(rows) + ("\n\n" + markdown(knob_rows) if knob_rows else "") + "\n\n" + note
+    pp_note = ("pipeline rows: model.n_layer=8, parallel=pp over all ranks, parallel.data=none; p2p: what one "
+               "pipeline's stages send each other per step; bubble: the schedule's idle share, forward 1 and backward "
+               "2 (parallel/pp.py's bubble, the planner's); in_flight: the most micro-batches whose activations a rank "
+               "holds. vs_single: against single on the same 8 blocks.")
+    text = markdown(rows) + ("\n\n" + markdown(knob_rows) if knob_rows else "") + \
+        ("\n\n" + markdown(pp_rows) if pp_rows else "") + "\n\n" + note + (" " + pp_note if pp_rows else "")
     print("\n" + text)
     with open(os.path.join(out, "bench.md"), "w") as f:
         f.write(text + "\n")
-    tables = [("bench.csv", rows)] + ([("bench_knobs.csv", knob_rows)] if knob_rows else [])
+    tables = [("bench.csv", rows)] + ([("bench_knobs.csv", knob_rows)] if knob_rows else []) + \
+        ([("bench_pp.csv", pp_rows)] if pp_rows else [])
     for name, table in tables:
         with open(os.path.join(out, name), "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(table[0]))
             w.writeheader()
             w.writerows(table)
     print(f"\nwritten: {out}/bench.md, " + ", ".join(name for name, _ in tables))
+
+
+def pipeline_rows(results, jobs, first, tok_s, ratio, peak_mib):
+    """One row per pipeline job: each schedule's tokens/s beside torch's, peak memory, p2p bytes (measured, and
+    against the planner's), the schedule's bubble."""
+    base = first  # single on the same blocks
+    index = {(j[1], j[2][-1]): k for k, j in enumerate(jobs) if k > first}
+    rows = []
+    for k in range(first + 1, len(jobs)):
+        _, impl, knob = jobs[k]
+        start, _, last = results[k][-1]
+        torch_k = index["torch", knob[-1]]
+        rows.append({"schedule": knob[-1].split("=")[1], "impl": impl, "pp x dp": f"{start['pp']} x {start['dp']}",
+                     "tok_per_s": round(tok_s(k)), "vs_torch": ratio(k, torch_k) if impl == "scratch" else "",
+                     "vs_single": ratio(k, base), "peak_MiB": f"{peak_mib(k):.0f}",
+                     "p2p_MiB_per_step": f"{last['p2p_bytes_pipeline'] / 2**20:.2f}",
+                     "p2p_vs_theory": f"{last['p2p_bytes_pipeline'] / start['p2p_theory']:.3f}",
+                     "bubble": f"{start['bubble']:.3f}", "in_flight": start["in_flight"]})
+    return rows
 
 
 def dp_split(start):

@@ -31,8 +31,12 @@ What runs under the fake backend (checked by tests/test_dry_run.py):
   counter sees it through reads each collective's result from its future, which the fake group's future doesn't
   hold (and on fake tensors its C++ reducer would verify and bucket the parameters' memory, which they don't have).
   Asked for, it is one line saying so.
-Pipeline and context parallel join when they land: their dims come from the mesh like dp and tp, `compare` files
-the planner's (dim, kind) predictions for them, and `layouts` names them; nothing here routes on a layout's name.
+- pipeline parallel (ours, beside our DDP or FSDP over dp): the fake group's send and receive return at once, as
+  its collectives do, so a stage steps through its schedule on empty activations; the planner's numbers are those
+  of the pp rank played (dry_run.rank // (world / pp)). torch.distributed.pipelining runs without a data strategy
+  here (config.check_pipeline), so its row is one line saying so.
+Context parallel joins when it lands: its dims come from the mesh like dp and tp, `compare` files the planner's
+(dim, kind) predictions for them, and `layouts` names them; nothing here routes on a layout's name.
 """
 import contextlib
 import os
@@ -104,7 +108,10 @@ def predict(cfg, dtype):
     """tools/plan.py's numbers for this config at dry_run.world, with the activations' dtype the run resolved."""
     cfg = cfg.copy()
     cfg.train.dtype = dtype  # auto means bf16 to the planner (a GPU); on a CPU train.py computes in float32
-    return plan.predict(cfg, cfg.dry_run.world)
+    predicted = plan.predict(cfg, cfg.dry_run.world)
+    if predicted["pp"] > 1:  # the numbers of the pp rank this process plays (pp outermost: world / pp ranks a stage)
+        predicted = {**predicted, **predicted["pp_ranks"][cfg.dry_run.rank // (cfg.dry_run.world // predicted["pp"])]}
+    return predicted
 
 
 @contextlib.contextmanager
@@ -233,7 +240,7 @@ def compare(measured, predicted):
     if m["transient_bytes"] is not None:  # measured by our FSDP and ZeRO only (None: the strategy doesn't say)
         rows += [("transient", m["transient_bytes"], p["memory"]["transient"]),
                  ("peak model state", m["state_bytes"] + m["transient_bytes"], p["state"] + p["memory"]["transient"])]
-    rows += [("activations (one micro-batch)", m["activation_bytes"], p["memory"]["activations"])]
+    rows += [("activations (one micro-batch)", m["activation_bytes"], sum(p["one_micro_batch"]))]
     for key in sorted(set(m["comm"]) | set(p["comm"])):
         rows.append((f"comm {key[0]} {key[1]}", m["comm"].get(key, 0), p["comm"].get(key, 0)))
     return rows + [("comm per step", m["comm_bytes"], p["comm_total"])]
@@ -301,7 +308,9 @@ TABLE = ["model=gpt_70b", "data=fineweb_edu", "train.seq_len=2048", "train.micro
 # the same tokens per step everywhere, and a fake step costs its op count, which accumulation multiplies
 LAYOUTS = [("ddp", []), ("zero1", []), ("zero2", []), ("fsdp", []),
            ("tp", ["parallel.tp=8", "train.micro_batch_size=8"]),
-           ("fsdp_tp", ["parallel.tp=8", "train.micro_batch_size=8"])]
+           ("fsdp_tp", ["parallel.tp=8", "train.micro_batch_size=8"]),
+           # 8 stages of 10 blocks x FSDP over dp = 64: 8 micro-batches per step through each pipeline
+           ("pp", ["parallel.pp=8", "parallel.data=fsdp"])]
 
 
 def layouts(impls=("scratch", "torch")):

@@ -5,6 +5,7 @@ layout and cluster, from each strategy's theory. Pure arithmetic: nothing is all
     python -m tools.plan model=gpt_1p3b parallel=fsdp parallel.param_dtype=bfloat16 plan.world=64 plan.link=pcie
     python -m tools.plan parallel=fsdp_tp parallel.tp=8 plan.world=64
     python -m tools.plan parallel=hsdp plan.world=64   # FSDP within each node of 8, replicas across the 8 nodes
+    python -m tools.plan model=gpt_70b parallel=pp parallel.pp=8 parallel.data=fsdp parallel.tp=2 plan.world=64
     python -m tools.plan --figure1             # the ZeRO paper's Figure 1 from state_bytes, beside the paper's
 
 The settings are conf/plan.yaml: the training config as train.py composes it (model, data for the vocab, parallel,
@@ -32,8 +33,14 @@ tensor parallelism) and N the data-parallel ranks:
   K, V cross the "cp" dimension: the ring's (cp - 1) hops per layer, each hidden behind one block of attention
   when it is fast enough, or the all-gather's, exposed (`cp_comm_bytes`, `cp_activation_bytes`, `step_time`);
   the balance of (query, key) pairs over the cp ranks under the zig-zag split and the plain one (`cp_balance`).
+- pipeline parallel (parallel/pp.py, pp > 1; pp_predict): each pp rank's share of the model (pp_stages, as
+  split_blocks splits it), the data strategy over its stage's dp ranks; activations of the micro-batches the
+  schedule has it hold at once (peak_in_flight); p2p over "pp" ("pp", "p2p": kept apart from the collectives, as
+  cp's ring is); the step stretched by the schedule's bubble (parallel/pp.py's bubble of its own action lists).
+  pp groups span nodes first (pp is the mesh's outermost dimension). The rank with the most memory is reported.
 tests/test_plan.py checks state and comm against real runs' counters at world sizes 1, 2 and 4.
 """
+import functools
 import math
 import os
 import sys
@@ -84,6 +91,8 @@ SHARDED = {"single": (), "ddp": (), "zero1": ("optimizer",), "zero2": ("gradient
 # layouts as config.layout_name names them: each of those, and with context parallel (cp > 1) beside it
 STRATEGIES = tuple(SHARDED) + ("cp", "zero1_cp", "zero2_cp", "fsdp_cp", "tp_cp", "fsdp_tp_cp", "zero1_tp_cp",
                                "zero2_tp_cp")
+# and with pipeline stages outside them (pp > 1): pp alone (no data parallel), pp_ before the strategy over dp
+STRATEGIES += ("pp", "pp_ddp", "pp_fsdp", "pp_tp", "pp_fsdp_tp", "pp_zero1", "pp_zero2")
 TP_STRATEGIES = ("tp", "fsdp_tp", "zero1_tp", "zero2_tp")  # the others have tp = 1
 # Settings the theory reads from parallel.*, with the value a strategy without that setting behaves as
 KNOBS = {"reduce_dtype": "float32", "param_dtype": "float32", "accumulate": "local", "reshard_after_forward": True,
@@ -117,8 +126,9 @@ def model_shape(cfg):
 def params_per_rank(shape, tp):
     """P = 2 V d (embedding, untied head) + L (12 d^2 + 2 d) (q, k, v, proj d x d; up d x 4d, down 4d x d; two norm
     gains) + d (final norm). Tensor parallelism splits every matrix over tp ranks (heads, MLP columns, vocab rows)
-    and keeps the (2L + 1) d norm gains whole on each."""
-    replicated = (2 * shape["n_layer"] + 1) * shape["n_embd"]
+    and keeps the (2L + 1) d norm gains whole on each. A pipeline stage's shape (pp_stages): its L blocks, and the
+    final norm only on the last stage."""
+    replicated = (2 * shape["n_layer"] + shape.get("last", True)) * shape["n_embd"]
     return (shape["n_params"] - replicated) / tp + replicated
 
 
@@ -244,7 +254,7 @@ def activation_bytes(shape, micro, seq, act_bytes, tp=1, sequence_parallel=False
     u = micro * seq * d
     norm_split = tp if sequence_parallel else 1
     block = (6 / norm_split + 13 / tp) * u * act_bytes
-    end = 3 * u * act_bytes / norm_split + micro * seq * V * 4 / tp
+    end = (3 * u * act_bytes / norm_split + micro * seq * V * 4 / tp) * shape.get("last", True)  # pp: last stage
     n_ckpt = round(checkpointed * L)
     return (L - n_ckpt) * block + n_ckpt * u * 4 / norm_split + end, block if n_ckpt else 0
 
@@ -296,8 +306,10 @@ def cp_balance(seq, cp):
 
 def data_strategy(layout):
     """The layout's strategy over its data-parallel ranks and tp, without context parallel: cp is DDP over cp,
-    fsdp_cp is fsdp, tp_cp is tp, ..."""
-    return "ddp" if layout == "cp" else layout.removesuffix("_cp")
+    fsdp_cp is fsdp, tp_cp is tp, ...; and over one pipeline stage's ranks: pp_fsdp is fsdp, pp alone single (DDP
+    over one rank reduces nothing)."""
+    layout = layout.removeprefix("pp_")
+    return "single" if layout == "pp" else "ddp" if layout == "cp" else layout.removesuffix("_cp")
 
 
 def transient_bytes(strategy, shape, P, accum, knobs, tp, dp=1):
@@ -310,7 +322,8 @@ def transient_bytes(strategy, shape, P, accum, knobs, tp, dp=1):
     accumulate=sharded); ZeRO with bf16 gradients: their float32 copy for the step, 4P/N; the larger of the two, as
     parallel/zero.py measures it (buffers of a bucket or two in reduction left out)."""
     if strategy in FSDP:  # HSDP: the same (its reduced slices in the all-reduce left out, as the reduce-scatters')
-        unit = shape["vocab"] * shape["n_embd"] / tp
+        d = shape["n_embd"]  # a pipeline stage without the embedding or the head: its largest unit is a block
+        unit = (shape["vocab"] * d if shape.get("first", True) or shape.get("last", True) else 12 * d * d + 2 * d) / tp
         pb, rb = DTYPE_BYTES[knobs["param_dtype"]], DTYPE_BYTES[knobs["reduce_dtype"]]
         gathered = (1 + knobs["prefetch"]) * unit if knobs["reshard_after_forward"] else P
         if accum > 1:  # every unit's gradient sum, kept between micro-steps (the last one reduce-scatters those)
@@ -331,7 +344,8 @@ def autocast_copy_bytes(shape, P, tp):
     embedding, a lookup, and the norm gains) is held from forward to backward. Under FSDP it outlives the unit's
     reshard: the whole model's. bf16 working weights (parallel.param_dtype=auto under bf16) need no copy
     (tests/test_bf16.py measures both)."""
-    return 2 * (P - shape["vocab"] * shape["n_embd"] / tp - (2 * shape["n_layer"] + 1) * shape["n_embd"])
+    embedding = shape["vocab"] * shape["n_embd"] / tp if shape.get("first", True) else 0  # pp: the first stage's
+    return 2 * (P - embedding - (2 * shape["n_layer"] + shape.get("last", True)) * shape["n_embd"])
 
 
 # --- time
@@ -428,6 +442,104 @@ def step_time(strategy, shape, world, tp, accum, micro, seq, comm, knobs, checkp
                                "comm": sum(t.values()), "each": t}
 
 
+# --- pipeline parallel
+def pp_stages(shape, pp, v=1):
+    """Each pp rank's share of the model as a shape (model_shape's keys, for that share): the blocks split as
+    parallel/pp.py's split_blocks splits them into pp x v virtual stages, rank r holding stages r, r + pp, ...; the
+    embedding on the first, final norm + head on the last; its FLOPs per token (the head's and its blocks' matmuls,
+    its blocks' attention); `boundaries`: the stage boundaries its chunks touch, each crossed by every micro-batch's
+    activation forward and its gradient back."""
+    from parallel import pp as pipeline
+    L, d, V = shape["n_layer"], shape["n_embd"], shape["vocab"]
+    n, block = pp * v, 12 * d * d + 2 * d
+    attention = (shape["flops_per_token"] - 6 * (shape["n_params"] - V * d)) / L  # per block (model.py)
+    ranges = pipeline.split_blocks(L, n)
+    out = []
+    for r in range(pp):
+        ks = range(r, n, pp)
+        blocks, first, last = sum(len(ranges[k]) for k in ks), 0 in ks, n - 1 in ks
+        matmul = blocks * block + last * (V * d + d)  # the embedding is a lookup
+        out.append({**shape, "n_layer": blocks, "first": first, "last": last, "n_params": matmul + first * V * d,
+                    "flops_per_token": 6 * matmul + blocks * attention,
+                    "boundaries": sum((k > 0) + (k < n - 1) for k in ks)})
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def pp_schedule_shape(name, pp, m, v=1):
+    """(bubble fraction, (micro-batches whose activations each rank holds at most)) of the schedule, from
+    parallel/pp.py's own action lists: its `bubble` (forward 1, backward 2) and `peak_in_flight`."""
+    from parallel import pp as pipeline
+    actions = pipeline.schedule(name, pp, m, v)
+    return pipeline.bubble(actions, v), tuple(pipeline.peak_in_flight(a) for a in actions)
+
+
+def pp_bandwidth(world, plan):
+    """Bytes/s each way of a pipeline hop: the mesh has pp outermost, a pp group's ranks world / pp apart, so on
+    more than one node some hop crosses the network (each GPU its own NIC: one activation per hop), and the slowest
+    hop paces the pipeline."""
+    intra = GPUS[plan.gpu][plan.link]
+    return intra if world <= plan.gpus_per_node else min(intra, NETWORKS[plan.network])
+
+
+def pp_predict(cfg, world, strategy, tp, ac, shape, plan, cp, pp):
+    """Pipeline parallelism (parallel/pp.py): pp stages of world / pp ranks each, the data strategy over each
+    stage's dp ranks as without pp (_predict on the stage's share of the model, pp_stages). Per pp rank, besides:
+      activations  one micro-batch's through the rank's blocks, times the micro-batches it holds at once (the
+                   schedule's peak_in_flight: m under GPipe, at most pp under 1F1B and ZB-H1; interleaved: (chunk,
+                   micro-batch) pairs, each 1/v of the rank's blocks)
+      p2p          ("pp", "p2p"): each micro-batch's activation (b, s/cp, d) forward over every boundary the rank's
+                   chunks touch, its gradient back, a send and a receive each counted (parallel/comm.py): 2 m b s d
+                   x boundaries elements, in the working weights' dtype (the residual stream's), / tp under
+                   sequence parallelism; the pipeline sends 2 m b s d (pp v - 1) in all
+      clipping     the squared gradient norm summed over the stages: one fp32 all-reduce (8 bytes as counted)
+      time         the slowest rank's compute stretched by the schedule's bubble (span = busy / (1 - bubble), the
+                   bubble of the same action lists), plus its exposed data-parallel communication, plus the fill
+                   and drain: one hop per boundary each way that nothing overlaps, and any p2p time beyond the
+                   compute it runs behind
+    The numbers reported are the rank with the most memory (what must fit); "pp_ranks" holds each rank's."""
+    p, t = cfg.parallel, cfg.train
+    v = p.pp_virtual if p.pp_schedule == "interleaved_1f1b" else 1
+    stages, stage_world = pp_stages(shape, pp, v), world // pp
+    ranks = [_predict(cfg, stage_world, strategy, tp, ac, s, plan, cp) for s in stages]
+    m, knobs = ranks[0]["accum"], ranks[0]["knobs"]
+    bubble, held = pp_schedule_shape(p.pp_schedule, pp, m, v)
+    split = tp if knobs["sequence_parallel"] else 1
+    hop = t.micro_batch_size * (t.seq_len // cp) * shape["n_embd"] / split * DTYPE_BYTES[knobs["param_dtype"]]
+    clip = ("pp" if stage_world == 1 else "world", "all_reduce")  # the group parallel/comm.py files it under
+    for r, s, n_held in zip(ranks, stages, held):
+        kept, recompute = r["one_micro_batch"]
+        r["pp"] = pp
+        r["memory"]["activations"] = kept * n_held / v + recompute
+        r["total_memory"] = sum(r["memory"].values())
+        r["comm"]["pp", "p2p"] = r["p2p_total"] = 2 * m * hop * s["boundaries"]
+        r["comm"][clip] += 8
+        r["comm_total"] += 8
+    largest = max(range(pp), key=lambda k: ranks[k]["total_memory"])
+    out = {**ranks[largest], "strategy": strategy, "pp": pp, "pp_schedule": p.pp_schedule, "pp_virtual": v,
+           "micro_batches": m, "bubble": bubble, "in_flight": held, "largest_stage": largest, "stage": stages[largest], "pp_ranks": ranks,
+           "p2p_pipeline": 2 * m * hop * (pp * v - 1)}
+    if plan is not None:
+        link = pp_bandwidth(world, plan) * plan.link_efficiency
+        compute = max(r["time"]["compute"] for r in ranks)
+        span = compute / (1 - bubble)
+        fill = 2 * (pp * v - 1) * hop / link
+        p2p = [r["p2p_total"] / 2 / link for r in ranks]  # sends and receives at once: half of it each way
+        exposed_p2p = fill + max(max(0.0, x - r["time"]["compute"]) for x, r in zip(p2p, ranks))
+        exposed = max(r["time"]["exposed comm"] for r in ranks) + exposed_p2p
+        seconds, tokens = span + exposed, t.global_batch_size * t.seq_len
+        each = Counter(ranks[largest]["time"]["each"])
+        each["pp", "p2p"] = max(p2p)
+        out.update(step_s=seconds, tok_per_s=tokens / seconds,
+                   time={**ranks[largest]["time"], "compute": compute, "bubble": span - compute,
+                         "exposed comm": exposed, "exposed p2p": exposed_p2p, "each": each,
+                         "comm": sum(each.values())},
+                   mfu=shape["flops_per_token"] * tokens / seconds / (GPUS[plan.gpu]["peak"] * world),
+                   fits=out["total_memory"] <= plan.usable_memory * GPUS[plan.gpu]["memory"],
+                   crosses_nodes=out["crosses_nodes"] + (out["p2p_total"] if world > plan.gpus_per_node else 0))
+    return out
+
+
 # --- one layout, all of it
 def tp_degree(p, world):
     return config.degrees(p, world)["tp"]
@@ -443,18 +555,27 @@ def shard_degree(cfg, world, strategy, tp, plan=None):
     return plan.gpus_per_node // tp if plan is not None else world // tp
 
 
-def predict(cfg, world, strategy=None, tp=None, ac=None, shape=None, plan=None, cp=None):
-    """Every number of one layout: the configured one, or `strategy`/`tp`/`ac` (activation checkpointing mode)/`cp`
-    in its place, the parallel knobs staying the configured ones. With `plan` (the cluster), step time and MFU too.
-    `strategy` is the layout's name (config.layout_name): fsdp_cp with cp > 1, fsdp with cp = 1."""
-    if config.degrees(cfg.parallel, world)["pp"] > 1:
-        raise config.ConfigError("tools/plan.py has no theory of pipeline parallelism yet: use parallel.pp=1")
+def predict(cfg, world, strategy=None, tp=None, ac=None, shape=None, plan=None, cp=None, pp=None):
+    """Every number of one layout: the configured one, or `strategy`/`tp`/`ac` (activation checkpointing mode)/`cp`/
+    `pp` in its place, the parallel knobs staying the configured ones. With `plan` (the cluster), step time and MFU
+    too. `strategy` is the layout's name (config.layout_name): fsdp_cp with cp > 1, fsdp with cp = 1, pp_fsdp with
+    pp > 1. Under pipeline parallelism: pp_predict."""
     shape = shape or model_shape(cfg)
+    degrees = config.degrees(cfg.parallel, world)
     strategy = strategy or config.layout_name(cfg.parallel, world)
     tp = tp or tp_degree(cfg.parallel, world)
-    cp = cp or config.degrees(cfg.parallel, world)["cp"]
-    data = data_strategy(strategy)  # the theory of the data-parallel ranks' strategy, over dp x cp of them
+    cp = cp or degrees["cp"]
     ac = ac or cfg.train.activation_checkpointing
+    pp = pp or degrees["pp"]
+    if pp > 1:
+        return pp_predict(cfg, world, strategy, tp, ac, shape, plan, cp, pp)
+    return _predict(cfg, world, strategy, tp, ac, shape, plan, cp)
+
+
+def _predict(cfg, world, strategy, tp, ac, shape, plan, cp):
+    """predict for a rank of `world` ranks (under pp: of one stage's ranks, `shape` the stage's), the data strategy
+    over its dp x cp."""
+    data = data_strategy(strategy)  # the theory of the data-parallel ranks' strategy, over dp x cp of them
     checkpointed = checkpointed_fraction(ac, shape["n_layer"], cfg.train.ac_every)
     knobs = {k: cfg.parallel.get(k, v) for k, v in KNOBS.items()}
     method = knobs["cp_method"]
@@ -486,13 +607,13 @@ def predict(cfg, world, strategy=None, tp=None, ac=None, shape=None, plan=None, 
         # (b, H/tp, 2C, 2C) matrices at once (probabilities, their gradient, the scores')
         memory["ring scores"] = 3 * t.micro_batch_size * shape["n_head"] / tp * (t.seq_len // cp) ** 2 * 4
     dims = {"dp": "dp_cp" if cp > 1 else "dp"}  # as parallel/comm.py files them
-    out = {"strategy": strategy, "tp": tp, "dp": dp, "cp": cp, "dp_shard": shard, "dp_replicate": n // shard,
+    out = {"strategy": strategy, "pp": 1, "tp": tp, "dp": dp, "cp": cp, "dp_shard": shard, "dp_replicate": n // shard,
            "accum": accum, "ac": ac,
            "params_per_rank": P, "state": sum(state.values()), "memory": memory, "total_memory": sum(memory.values()),
            "comm": Counter({(dims.get(d, d), k): v for (d, k), v in comm.items()}),
            # as parallel/comm.py's comm_bytes: collectives; the ring's sends and receives apart
            "comm_total": sum(v for (d, k), v in comm.items() if k != "p2p"), "p2p_total": comm["cp", "p2p"],
-           "knobs": knobs}
+           "knobs": knobs, "one_micro_batch": (kept, recompute)}
     if cp > 1:
         out["balance"] = cp_balance(t.seq_len, cp)
     if plan is not None:
@@ -519,9 +640,23 @@ def predict_run(run_dir):
     return predict(cfg, start["world_size"])
 
 
-def layout_problem(cfg, shape, world, strategy, tp, plan, cp=1):
+def layout_problem(cfg, shape, world, strategy, tp, plan, cp=1, pp=1):
     """Why this layout can't run, or None."""
     t = cfg.train
+    if pp > 1:  # the pipeline's own rules (config.check_pipeline's), then those of one stage's world / pp ranks
+        s, L = cfg.parallel.pp_schedule, shape["n_layer"]
+        v = cfg.parallel.pp_virtual if s == "interleaved_1f1b" else 1
+        if world % (pp * tp * cp):
+            return f"plan.world={world} is not divisible by pp x tp x cp = {pp * tp * cp}"
+        if pp * v > L or L % (pp * v) and v > 1:
+            return f"pp={pp} x pp_virtual={v} stages do not split the model's {L} blocks"
+        dp = world // (pp * tp * cp)
+        if t.global_batch_size % (t.micro_batch_size * dp):
+            return (f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size "
+                    f"({t.micro_batch_size}) x data-parallel ranks ({dp})")
+        if v > 1 and (t.global_batch_size // (t.micro_batch_size * dp)) % pp:
+            return f"{s} needs micro-batches per step in multiples of pp={pp}"
+        strategy, world = data_strategy(strategy) if strategy == "pp" else strategy.removeprefix("pp_"), world // pp
     if cp > 1:
         if world % (tp * cp):
             return f"plan.world={world} is not divisible by tp x cp = {tp * cp}"
@@ -556,24 +691,34 @@ def layout_problem(cfg, shape, world, strategy, tp, plan, cp=1):
 
 
 def candidates(world, plan):
-    """Every (layout, tp, cp) the theory covers for this world: tp over the divisors of world within a node; context
-    parallel over every divisor of world, with DDP or FSDP over dp x cp, and FSDP x TP beside it within a node;
-    HSDP (a shard group per node) where there is more than one node."""
+    """Every (layout, tp, cp, pp) the theory covers for this world: tp over the divisors of world within a node;
+    context parallel over every divisor of world, with DDP or FSDP over dp x cp, and FSDP x TP beside it within a
+    node; HSDP (a shard group per node) where there is more than one node; pipeline stages over every divisor of
+    world (outermost: across nodes first), with DDP or FSDP over each stage's ranks, and FSDP x TP within a node."""
     for s in SHARDED:
         if s == "hsdp" and world <= plan.gpus_per_node:
             continue  # one node: HSDP's shard group is all of it, which is fsdp
         if s == "tp":
-            yield s, world, 1
+            yield s, world, 1, 1
         elif s in TP_STRATEGIES:
-            yield from ((s, k, 1) for k in range(2, min(world, plan.gpus_per_node) + 1) if world % k == 0 and k < world)
+            yield from ((s, k, 1, 1) for k in range(2, min(world, plan.gpus_per_node) + 1)
+                        if world % k == 0 and k < world)
         else:
-            yield s, 1, 1
+            yield s, 1, 1, 1
     for cp in range(2, world + 1):
         if world % cp == 0:
-            yield "cp", 1, cp
-            yield "fsdp_cp", 1, cp
-            yield from (("fsdp_tp_cp", k, cp) for k in range(2, plan.gpus_per_node + 1)
+            yield "cp", 1, cp, 1
+            yield "fsdp_cp", 1, cp, 1
+            yield from (("fsdp_tp_cp", k, cp, 1) for k in range(2, plan.gpus_per_node + 1)
                         if (world // cp) % k == 0 and k * cp <= plan.gpus_per_node)
+    for pp in range(2, world + 1):
+        if world % pp == 0:
+            stage = world // pp  # ranks per stage
+            yield ("pp", 1, 1, pp) if stage == 1 else ("pp_ddp", 1, 1, pp)
+            if stage > 1:
+                yield "pp_fsdp", 1, 1, pp
+            yield from (("pp_fsdp_tp", k, 1, pp) for k in range(2, min(stage, plan.gpus_per_node) + 1)
+                        if stage % k == 0 and plan.gpus_per_node % k == 0)
 
 
 # --- the command
@@ -599,13 +744,24 @@ def gb(x):
     return f"{x / 1e9:.2f}"
 
 
+def pipeline_part(r):
+    """The pipeline part of a layout, e.g. 'pp=8 (1f1b, 16 micro-batches, bubble 30.4%)', or '' without one."""
+    if r["pp"] == 1:
+        return ""
+    v = f" x {r['pp_virtual']} virtual" if r["pp_virtual"] > 1 else ""
+    return f"pp={r['pp']}{v} ({r['pp_schedule']}, {r['micro_batches']} micro-batches, bubble {r['bubble']:.1%})"
+
+
 def report(cfg, shape):
     """The plan as text: the configured layout in detail, then the ranking."""
     plan, t, world = cfg.plan, cfg.train, cfg.plan.world
     chosen = predict(cfg, world, shape=shape, plan=plan)
     gpu = GPUS[plan.gpu]
-    bw = bandwidths(world, chosen["tp"], plan, chosen["dp_shard"], chosen["cp"])
+    pp = chosen["pp"]
+    bw = bandwidths(world // pp, chosen["tp"], plan, chosen["dp_shard"], chosen["cp"])
     bw["dp_cp"] = bw["dp"]
+    bw["pp"] = pp_bandwidth(world, plan)
+    bw["world"] = min(bw.values())
     cp_part, balance = "", ""
     if chosen["cp"] > 1:
         zigzag, plain = chosen["balance"]
@@ -625,10 +781,14 @@ def report(cfg, shape):
         f"{plan.compute_efficiency:.0%} of peak compute, {plan.link_efficiency:.0%} of link bandwidth",
         "knobs: " + ", ".join(f"{k}={v}" for k, v in chosen["knobs"].items()),
         "",
-        f"layout: parallel={chosen['strategy']} dp={chosen['dp']}"
+        f"layout: parallel={chosen['strategy']} {pipeline_part(chosen) + ' x ' if pp > 1 else ''}dp={chosen['dp']}"
         f"{' (dp_replicate={dp_replicate} x dp_shard={dp_shard})'.format(**chosen) * (chosen['strategy'] == 'hsdp')}"
         f" x {cp_part}tp={chosen['tp']}, gradient accumulation {chosen['accum']}, "
         f"{chosen['params_per_rank'] / 1e6:.1f}M parameters per rank{balance}",
+        *([f"pipeline: the largest pp rank, {chosen['largest_stage']} ({chosen['stage']['n_layer']} blocks"
+           f"{' + embedding' * chosen['stage']['first']}{' + norm, head' * chosen['stage']['last']}), holds activations of at most "
+           f"{chosen['in_flight'][chosen['largest_stage']]} micro-batches; the pipeline sends "
+           f"{gb(chosen['p2p_pipeline'])} GB per step between its stages"] if pp > 1 else []),
         "",
         "memory per rank (GB)",
     ]
@@ -648,8 +808,8 @@ def report(cfg, shape):
     w = max([4] + [len(dim) for dim, _ in chosen["comm"]])  # HSDP's dimensions have longer names
     lines += ["", "communication per step per rank",
               f"  {'dim':{w}s} {'collective':15s} {'GB':>9s} {'ranks':>6s} {'GB/s':>6s} {'ms':>9s}"]
-    size = {**{k: chosen[k] for k in ("dp", "tp", "cp", "dp_shard", "dp_replicate")},
-            "dp_cp": chosen["dp"] * chosen["cp"]}
+    size = {**{k: chosen[k] for k in ("dp", "tp", "cp", "dp_shard", "dp_replicate", "pp")},
+            "dp_cp": chosen["dp"] * chosen["cp"], "world": world}
     for (dim, kind), v in sorted(chosen["comm"].items()):
         ms = 1e3 * chosen["time"]["each"][dim, kind]
         lines.append(f"  {dim:{w}s} {kind:15s} {gb(v):>9} {size[dim]:>6d} {bw[dim] / 1e9:>6.0f} {ms:>9.1f}")
@@ -657,7 +817,8 @@ def report(cfg, shape):
     lines.append(f"  {'':{w}s} {'across nodes':15s} {gb(chosen['crosses_nodes']):>9}   (the collectives whose groups "
                  f"span nodes)")
     tm = chosen["time"]
-    lines += ["", f"step: compute {tm['compute'] * 1e3:.0f} ms + exposed communication {tm['exposed comm'] * 1e3:.0f} "
+    bubble = f" + pipeline bubble {tm['bubble'] * 1e3:.0f} ms" if pp > 1 else ""
+    lines += ["", f"step: compute {tm['compute'] * 1e3:.0f} ms{bubble} + exposed communication {tm['exposed comm'] * 1e3:.0f} "
                   f"ms (of {tm['comm'] * 1e3:.0f} ms) = {chosen['step_s'] * 1e3:.0f} ms -> "
                   f"{chosen['tok_per_s']:,.0f} tokens/s, MFU {chosen['mfu']:.1%}", ""]
     if plan.rank:
@@ -667,24 +828,27 @@ def report(cfg, shape):
 
 def ranking(cfg, shape, world, plan):
     rows, skipped = [], []
-    for strategy, tp, cp in candidates(world, plan):
-        problem = layout_problem(cfg, shape, world, strategy, tp, plan, cp)
+    for strategy, tp, cp, pp in candidates(world, plan):
+        problem = layout_problem(cfg, shape, world, strategy, tp, plan, cp, pp)
         if problem:
-            skipped.append(f"{strategy} tp={tp}{f' cp={cp}' if cp > 1 else ''}: {problem}")
+            skipped.append(f"{strategy} tp={tp}{f' cp={cp}' if cp > 1 else ''}{f' pp={pp}' if pp > 1 else ''}: "
+                           f"{problem}")
             continue
         for ac in ("none", "full"):
-            rows.append(predict(cfg, world, strategy, tp, ac, shape, plan, cp))
+            rows.append(predict(cfg, world, strategy, tp, ac, shape, plan, cp, pp))
     rows.sort(key=lambda r: (not r["fits"], r["step_s"], r["total_memory"]))
     lines = [f"every layout on {world} GPU(s), fastest first among those that fit (the knobs above):",
              "| rank | parallel | dp | tp | cp | accum | AC | memory GB | fits | comm GB/step | step ms | exposed comm "
-             "ms | tokens/s | MFU | across nodes GB/step |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "ms | tokens/s | MFU | across nodes GB/step | pipeline |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(rows, 1):
         lines.append(f"| {i if r['fits'] else '-'} | {r['strategy']} | {r['dp']} | {r['tp']} | {r['cp']} | "
                      f"{r['accum']} | "
                      f"{r['ac']} | {r['total_memory'] / 1e9:.1f} | {'yes' if r['fits'] else 'no'} | "
                      f"{(r['comm_total'] + r['p2p_total']) / 1e9:.2f} | {r['step_s'] * 1e3:.0f} | "
                      f"{r['time']['exposed comm'] * 1e3:.0f} "
-                     f"| {r['tok_per_s']:,.0f} | {r['mfu']:.1%} | {r['crosses_nodes'] / 1e9:.2f} |")
+                     f"| {r['tok_per_s']:,.0f} | {r['mfu']:.1%} | {r['crosses_nodes'] / 1e9:.2f} | "
+                     f"{pipeline_part(r) or '-'} |")
     return lines + [f"not possible here: {s}" for s in skipped]
 
 
@@ -719,9 +883,9 @@ def main(argv):
                                         config.model_config(cfg, prepare.vocab_size(cfg.data)), cfg.train.seq_len,
                                         dtype="float32" if cfg.train.dtype == "float32" else "bfloat16")
     if not problem:
+        d = config.degrees(cfg.parallel, cfg.plan.world)
         problem = layout_problem(cfg, shape, cfg.plan.world, config.layout_name(cfg.parallel, cfg.plan.world),
-                                 tp_degree(cfg.parallel, cfg.plan.world), cfg.plan,
-                                 config.degrees(cfg.parallel, cfg.plan.world)["cp"])
+                                 d["tp"], cfg.plan, d["cp"], d["pp"])
     if problem:
         sys.exit(f"error: {problem}")
     print(report(cfg, shape))
