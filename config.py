@@ -476,11 +476,15 @@ def check_pipeline(p, world, model, micro_batches):
     if p.impl == "torch" and (p.data != "none" or d["dp"] > 1):
         return ("parallel.pp > 1 with parallel.impl=torch (torch.distributed.pipelining) runs without a data "
                 "strategy here: use parallel.data=none and dp=1, or parallel.impl=scratch")
-    if d["dp"] > 1 and (s == "interleaved_1f1b" or p.data in ("zero1", "zero2")):
-        # the data strategies reduce a bucket when one backward has filled it; a rank's last interleaved backward
-        # covers one of its chunks only
-        return (f"parallel.pp_schedule={s} with parallel.data={p.data} over dp={d['dp']} is not built yet; use "
-                f"gpipe, 1f1b or zero_bubble with data ddp or fsdp")
+    if p.accumulate == "sharded":
+        # the schedule runs every backward under no_sync and the strategy reduces once after it (parallel/pp.py)
+        return ("parallel.accumulate=sharded with parallel.pp > 1: a pipeline's strategy reduces once after the "
+                "schedule, not every micro-step; use parallel.accumulate=local")
+    if v > 1 and p.data == "fsdp" and (model.n_layer // (pp * v)) % p.blocks_per_unit:
+        # FSDP gathers a unit around its own blocks' forward and backward; a unit across two chunks is needed
+        # while the other chunk runs
+        return (f"parallel.blocks_per_unit={p.blocks_per_unit} with interleaved_1f1b: each of the {pp * v} virtual "
+                f"stages has {model.n_layer // (pp * v)} blocks, and an FSDP unit must not span two; use a divisor")
     return None
 
 

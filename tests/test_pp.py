@@ -16,7 +16,9 @@ PP_RUN = (*(o for o in RUN if not o.startswith("train.max_steps")), "model.n_lay
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 # (schedule, pp, data strategy over dp, impl): world 4 each; torch's (torch.distributed.pipelining) without one
 CASES = [(s, 4, "ddp", "scratch") for s in SCHEDULES] + [(s, 4, "none", "torch") for s in SCHEDULES] + \
-    [("gpipe", 2, "ddp", "scratch"), ("1f1b", 2, "fsdp", "scratch"), ("zero_bubble", 2, "ddp", "scratch")]
+    [("gpipe", 2, "ddp", "scratch"), ("1f1b", 2, "fsdp", "scratch"), ("zero_bubble", 2, "ddp", "scratch")] + \
+    [("interleaved_1f1b", 2, "ddp", "scratch"), ("interleaved_1f1b", 2, "fsdp", "scratch"),  # pp=2 x dp=2: every
+     ("1f1b", 2, "zero1", "scratch"), ("1f1b", 2, "zero2", "scratch")]  # backward under no_sync, one reduction
 IDS = [f"{s}-pp{p}-{d}-{i}" for s, p, d, i in CASES]
 
 
@@ -93,7 +95,8 @@ def test_equal_to_single(runs, single_pp, schedule, pp_, data, impl):
     # model state on rank 0 (the first stage: the embedding and 8 / pp blocks of 12 d^2 + 2 d) is that stage's
     # parameters x 16 bytes (fp32 weight, gradient, two Adam moments), / dp under FSDP; + Adam's step counters
     stage = 512 * 64 + 8 // pp_ * (12 * 64 * 64 + 2 * 64)
-    expected = stage * (16 / dp if data == "fsdp" else 16)
+    # (ZeRO-1 shards the moments: 8 + 8 / dp; ZeRO-2 the gradients too: 4 + 12 / dp)
+    expected = stage * {"fsdp": 16 / dp, "zero1": 8 + 8 / dp, "zero2": 4 + 12 / dp}.get(data, 16)
     assert expected <= last["state_bytes"] <= expected * 1.001
     # p2p: each micro-batch's activation forward and its gradient back over every stage boundary
     m, v = 16 // (2 * dp), 2 if schedule == "interleaved_1f1b" else 1
@@ -180,7 +183,10 @@ def test_executor_runs_the_list():
     (("parallel=pp", "parallel.pp_schedule=2f2b"), 2, "parallel.pp_schedule='2f2b': expected gpipe, 1f1b"),
     (("parallel=pp", "parallel.pp=2", "parallel.tp=2"), 4, "parallel.tp > 1 is not built yet"),
     (("parallel=pp", "parallel.impl=torch"), 2, "runs without a data strategy here"),
-    (("parallel=pp", "parallel.pp=2", "parallel.data=zero2"), 4, "parallel.data=zero2 over dp=2 is not built yet"),
+    (("parallel=pp", "parallel.pp=2", "parallel.data=zero2", "parallel.accumulate=sharded"), 4,
+     "parallel.accumulate=sharded with parallel.pp > 1"),
+    (("parallel=pp", "parallel.pp=2", "parallel.data=fsdp", "parallel.pp_schedule=interleaved_1f1b",
+      "parallel.blocks_per_unit=4", "model.n_layer=8", "train.global_batch_size=16", "train.micro_batch_size=2"), 4, "an FSDP unit must not span two"),
 ])
 def test_bad_pp_settings(tmp_path, overrides, world, message):
     with pytest.raises(train.ConfigError) as err:
