@@ -473,9 +473,18 @@ def check_pipeline(p, world, model, micro_batches):
         return "parallel.pp > 1 with HSDP (parallel.dp_replicate > 1) is not built yet; use parallel.dp_replicate=1"
     if p.impl == "deepspeed":
         return "parallel.pp > 1 with parallel.impl=deepspeed is not wired; use parallel.impl=scratch or torch"
-    if p.impl == "torch" and (p.data != "none" or d["dp"] > 1):
-        return ("parallel.pp > 1 with parallel.impl=torch (torch.distributed.pipelining) runs without a data "
-                "strategy here: use parallel.data=none and dp=1, or parallel.impl=scratch")
+    if p.impl == "torch" and d["dp"] > 1:
+        # torch's schedules drive the data strategy's wrapper as the stage's module (parallel/pp.py, torch_step)
+        why = {"interleaved_1f1b": "drives the data strategy's wrapper as a stage's module, and ours wraps all of "
+                                   "a rank's chunks in one (torchtitan wraps each chunk apart)",
+               "zero_bubble": "(ScheduleInterleavedZeroBubble) beside DistributedDataParallel or FSDP2 gives "
+                              "gradients that differ from single's (torch 2.13, gloo)"}.get(s)
+        if s == "gpipe" and p.data in ("ddp", "zero1"):  # zero1's twin is DistributedDataParallel + ZeRO's optimizer
+            why = ("(ScheduleGPipe) beside DistributedDataParallel stops in its first step on an internal assert of "
+                   "DDP's reducer (rebuilt parameter indices; torch 2.13, gloo)")
+        if why:
+            return (f"parallel.pp_schedule={s} parallel.data={p.data} over dp={d['dp']} with parallel.impl=torch: "
+                    f"torch.distributed.pipelining {why}; use 1f1b, or parallel.impl=scratch")
     if p.accumulate == "sharded":
         # the schedule runs every backward under no_sync and the strategy reduces once after it (parallel/pp.py)
         return ("parallel.accumulate=sharded with parallel.pp > 1: a pipeline's strategy reduces once after the "

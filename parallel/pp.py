@@ -25,7 +25,9 @@ strategy reduces once after the schedule (`reduce_grads`): its gradient communic
 backward instead of overlapping the last one, which no single backward could start under interleaving anyway.
 
 The torch twin (parallel.impl=torch, `Pipeline.torch_step`): torch.distributed.pipelining's PipelineStage over the
-same chunks, with ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble.
+same chunks, with ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble. Beside a
+data strategy over dp, the stage's module is the strategy's wrapper (torch's DDP, FSDP2), which torch's schedules
+sync themselves; on gloo that runs for 1f1b (and gpipe under FSDP2), one chunk per rank (config.check_pipeline).
 
 Every rank builds only its stages' parameters from the meta device, with parallel=single's values: `split` first
 walks the whole model once, drawing each parameter into a scratch tensor and noting the RNG state before it, so
@@ -372,8 +374,12 @@ class Pipeline:
         splits it into accum micro-batches, and scales the gradients by 1 / accum itself."""
         from torch.distributed import pipelining as tp_
         if self.torch_schedule is None:
-            stages = [tp_.PipelineStage(_Chunk(self, c), self._stage(c), self.pp * self.v, torch.device(self.device),
-                                        group=self.group) for c in range(self.v)]
+            # beside a data strategy the stage's module is its wrapper (DistributedDataParallel, FSDP2's root), which
+            # torch's schedules drive themselves: no_sync but on the last backward (DDP), gradient sync off until the
+            # schedule's REDUCE_GRAD (FSDP2). One chunk per rank then: the wrapper holds all of the rank's chunks
+            mods = [self.call] if self.call is not self.model else [_Chunk(self, c) for c in range(self.v)]
+            stages = [tp_.PipelineStage(m, self._stage(c), self.pp * self.v, torch.device(self.device),
+                                        group=self.group) for c, m in enumerate(mods)]
             single = {"gpipe": tp_.ScheduleGPipe, "1f1b": tp_.Schedule1F1B}
             multi = {"interleaved_1f1b": tp_.ScheduleInterleaved1F1B,
                      "zero_bubble": tp_.ScheduleInterleavedZeroBubble}
