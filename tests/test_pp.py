@@ -14,13 +14,14 @@ from parallel import pp
 STEPS = 3  # each pipeline run's; the reference goes on to 2 STEPS, for the checkpoint round trips
 PP_RUN = (*(o for o in RUN if not o.startswith("train.max_steps")), "model.n_layer=8", "checkpoint.every=3")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-# (schedule, pp, data strategy over dp, impl): world 4 each; torch's (torch.distributed.pipelining) without one
+# (schedule, pp, data strategy over dp, impl): world 4 each; torch's (torch.distributed.pipelining) without one at
+# pp=4. At pp=2 x dp=2 ours runs every backward under no_sync and reduces once after the schedule; torch's schedules
+# drive DistributedDataParallel and FSDP2 themselves
 CASES = [(s, 4, "ddp", "scratch") for s in SCHEDULES] + [(s, 4, "none", "torch") for s in SCHEDULES] + \
-    [("gpipe", 2, "ddp", "scratch"), ("1f1b", 2, "fsdp", "scratch"), ("zero_bubble", 2, "ddp", "scratch")] + \
-    [("interleaved_1f1b", 2, "ddp", "scratch"), ("interleaved_1f1b", 2, "fsdp", "scratch"),  # pp=2 x dp=2: every
-     ("1f1b", 2, "zero1", "scratch"), ("1f1b", 2, "zero2", "scratch")] + \
-    [("1f1b", 2, "ddp", "torch"), ("gpipe", 2, "fsdp", "torch"), ("1f1b", 2, "zero2", "torch")]  # backward under
-# no_sync, one reduction (ours); torch's schedules driving DistributedDataParallel and FSDP2 themselves
+    [("gpipe", 2, "ddp", "scratch"), ("1f1b", 2, "fsdp", "scratch"), ("zero_bubble", 2, "ddp", "scratch"),
+     ("interleaved_1f1b", 2, "ddp", "scratch"), ("interleaved_1f1b", 2, "fsdp", "scratch"),
+     ("1f1b", 2, "zero1", "scratch"), ("1f1b", 2, "zero2", "scratch"),
+     ("1f1b", 2, "ddp", "torch"), ("gpipe", 2, "fsdp", "torch"), ("1f1b", 2, "zero2", "torch")]
 IDS = [f"{s}-pp{p}-{d}-{i}" for s, p, d, i in CASES]
 
 

@@ -227,11 +227,12 @@ def by_dim(record):
     """A log step's collective bytes summed by mesh dimension, in MiB: "dp_shard 1.25, dp_replicate 0.31"."""
     from parallel.comm import C10D
     dims = {}
-    for kind in sorted({k for k, _, _ in C10D.values()}):
-        for key, v in record.items():
-            if key.startswith("comm_") and key.endswith(f"_{kind}"):  # comm_<dim>_<kind>, as train.py logs them
-                dim = key[len("comm_"): -len(kind) - 1]
-                dims[dim] = dims.get(dim, 0) + v
+    kinds = sorted({k for k, _, _ in C10D.values()}, key=len, reverse=True)  # all_reduce matched before reduce
+    for key, v in record.items():
+        kind = next((k for k in kinds if key.endswith(f"_{k}")), None) if key.startswith("comm_") else None
+        if kind:  # comm_<dim>_<kind>, as train.py logs them
+            dim = key[len("comm_"): -len(kind) - 1]
+            dims[dim] = dims.get(dim, 0) + v
     return ", ".join(f"{d} {v / 2**20:.2f}" for d, v in dims.items())
 
 

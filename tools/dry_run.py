@@ -334,12 +334,13 @@ def table(overrides, impls=("scratch", "torch"), steps=1, only=None):
     for name, impl, extra in layouts(impls):
         cfg = plan.compose([*TABLE, *overrides, f"parallel={name}", f"parallel.impl={impl}", *extra],
                            config_name="config")
-        if only is not None and config.layout_name(cfg.parallel, cfg.dry_run.world) not in only:
+        layout = config.layout_name(cfg.parallel, cfg.dry_run.world)
+        if only is not None and layout not in only:
             continue
         try:
             device, dtype, accum, compute, predicted = check(cfg)
         except ConfigError as e:  # torch's DDP twins: they don't run under the fake process group
-            skipped.append(f"{name} {impl}: {e}")
+            skipped.append(f"{layout} {impl}: {e}")
             continue
         m = measure(cfg, cfg.dry_run.rank, cfg.dry_run.world, compute, device, dtype, accum, steps)
         ppeak = predicted["state"] + predicted["memory"]["transient"]
