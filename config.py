@@ -467,8 +467,6 @@ def check_pipeline(p, world, model, micro_batches):
                 f"multiple of {pp}")
     if d["tp"] > 1:
         return "parallel.pp > 1 with parallel.tp > 1 is not built yet; use one of them"
-    if d["cp"] > 1:
-        return "parallel.pp > 1 with parallel.cp > 1 is not built yet; use one of them"
     if d["dp_replicate"] > 1:
         return "parallel.pp > 1 with HSDP (parallel.dp_replicate > 1) is not built yet; use parallel.dp_replicate=1"
     if p.impl == "deepspeed":

@@ -263,6 +263,9 @@ def apply_cp(model, mesh, p):
 
     def split(module, args, kwargs):
         idx, targets = args[0], args[1] if len(args) > 1 else kwargs.get("targets")
+        if kwargs.get("positions") is not None:  # a pipeline stage: parallel/pp.py has split the micro-batch
+            state["split"] = True
+            return None
         state["split"] = targets is not None
         if targets is None:
             return None
@@ -274,21 +277,21 @@ def apply_cp(model, mesh, p):
 
 
 def data_mesh(mesh):
-    """The mesh the data-parallel strategies see: ("dp_replicate", "dp_shard", "tp") with dp_shard x cp ranks in
-    "dp_shard", flattened with the replicas into "dp" (dp x cp ranks, those that share a tp coordinate). Each cp
-    rank's gradients come from its own tokens, so the data-parallel strategy averages them over dp x cp as it would
-    over replicas (torchtitan's dp_shard_cp). Its groups are new ones, even where they span every rank (where
+    """The mesh the data-parallel strategies see: ("pp", "dp_replicate", "dp_shard", "tp") with dp_shard x cp ranks
+    in "dp_shard", flattened with the replicas into "dp" (dp x cp ranks, those that share a pp and a tp coordinate).
+    Each cp rank's gradients come from its own tokens, so the data-parallel strategy averages them over dp x cp as it
+    would over replicas (torchtitan's dp_shard_cp). Its groups are new ones, even where they span every rank (where
     DeviceMesh would reuse the default group, cp's too), so that comm.py files their bytes apart, under "dp_cp"."""
     from torch.distributed.device_mesh import DeviceMesh
-    d = {k: mesh.get_group(k).size() for k in ("dp_replicate", "dp_shard", "cp", "tp")}
-    ranks = mesh.mesh.reshape(d["dp_replicate"], d["dp_shard"] * d["cp"], d["tp"])
+    d = {k: mesh.get_group(k).size() for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
+    ranks = mesh.mesh.reshape(d["pp"], d["dp_replicate"], d["dp_shard"] * d["cp"], d["tp"])
 
     def groups_along(dim):  # this rank's group along `dim` of `ranks`; every rank creates every group
         rows = ranks.movedim(dim, -1).reshape(-1, ranks.size(dim))
         return dist.new_subgroups_by_enumeration(rows.tolist())[0]
-    replicate, shard = groups_along(0), groups_along(1)
-    out = DeviceMesh.from_group([replicate, shard, mesh.get_group("tp")], mesh.device_type, mesh=ranks,
-                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    replicate, shard = groups_along(1), groups_along(2)
+    out = DeviceMesh.from_group([mesh.get_group("pp"), replicate, shard, mesh.get_group("tp")], mesh.device_type,
+                                mesh=ranks, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
     flat = out["dp_replicate", "dp_shard"]._flatten("dp", backend_override=dist.get_backend())  # a new group
     comm.name_groups({shard: "dp_shard_cp", replicate: "dp_replicate", flat.get_group(): "dp_cp"})
     return out

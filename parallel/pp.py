@@ -40,6 +40,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from parallel.cp import zigzag_positions
+
 F, B, W = "F", "B", "W"
 
 
@@ -241,6 +243,8 @@ class Pipeline:
         # set by parallelize to the data strategy's: its wrapper, its no_sync and the reduction after it
         self.call, self.no_sync, self.reduce_grads = model, contextlib.nullcontext, lambda: None
         self.log, self.peak = [], 0  # the actions run, in order; the most micro-batches held at once
+        cp = mesh.get_group("cp")
+        self.cp_n, self.cp_rank, self.positions = cp.size(), cp.rank(), None  # see _cp_split
 
     def init_param(self, inner):
         """init_param(name, tensor) that draws from where single's stream stood before that parameter."""
@@ -252,11 +256,12 @@ class Pipeline:
             gen.set_state(self.states[None])
         return init
 
-    def stage_forward(self, x, targets=None, chunk=0):
+    def stage_forward(self, x, targets=None, chunk=0, positions=None):
         """One chunk: token ids (first stage) or the previous stage's activation in; the activation, or on the
-        last stage the logits (loss with targets), out."""
+        last stage the logits (loss with targets), out. `positions`: the tokens' places in their sequences, under
+        context parallel (this cp rank's zig-zag pieces)."""
         c, m = self.chunks[chunk], self.model
-        cos, sin = m.rope(x.size(1))
+        cos, sin = m.rope(x.size(1), positions)
         if c["first"]:
             x = m.wte(x)
         for i in c["blocks"]:
@@ -318,7 +323,7 @@ class Pipeline:
             self.log.append(action)
             if kind == F:
                 inp = here[2].requires_grad_(train) if s > 0 else x[i]
-                out = self.call(inp, y[i] if s == last_stage else None, chunk=chunk)
+                out = self.call(inp, y[i] if s == last_stage else None, chunk=chunk, positions=self.positions)
                 if s == last_stage:
                     loss_sum += out.detach()
                     out = out / accum  # each micro-batch weighs 1/accum, as in single's accumulation
@@ -353,6 +358,7 @@ class Pipeline:
         """One training step's forward and backward over its accum micro-batches of `micro` sequences."""
         if self.impl == "torch":
             return self.torch_step(x, y, accum)
+        x, y = self._cp_split(x, y)
         xs, ys = x.split(micro), y.split(micro)
         self.log = []
         self.params = [q for q in self.model.parameters() if q.requires_grad]  # W's (FSDP swaps parameters)
@@ -366,6 +372,16 @@ class Pipeline:
 
     def _shape(self, x, micro):
         return micro, x.size(1) // self.tp_split, self.model.cfg.n_embd
+
+    def _cp_split(self, x, y):
+        """Under context parallel, this cp rank's zig-zag pieces of every sequence (parallel/cp.py), which every
+        stage then runs with their positions; the cp ranks of a stage pass their pieces to the same cp rank of the
+        next stage. Without it, x and y whole."""
+        if self.cp_n == 1:
+            self.positions = None
+            return x, y
+        self.positions = zigzag_positions(x.size(1), self.cp_n, self.cp_rank, x.device)
+        return x[:, self.positions], y[:, self.positions]
 
     # --- torch's twin: torch.distributed.pipelining's schedules over the same stages
     def torch_step(self, x, y, accum):
@@ -393,6 +409,7 @@ class Pipeline:
 
     def evaluate(self, x, y):
         """The loss of one batch on the last stage, zero on the others (train.evaluate sums over ranks)."""
+        x, y = self._cp_split(x, y)
         with torch.no_grad():
             return self.run([(F, c, 0) for c in range(self.v)], [x], [y], self._shape(x, x.size(0)), train=False)
 
@@ -401,6 +418,7 @@ class Pipeline:
         """model.generate through the pipeline: the last stage computes the logits and draws each token (the RNG
         draws single's draws), then hands it to every stage."""
         m = self.model
+        self.positions = None  # whole sequences on every cp rank, plain causal attention (as parallel/cp.py samples)
         for _ in range(max_new_tokens):
             ctx = idx[:, -m.cfg.block_size:]
             shape = (ctx.size(0), ctx.size(1) // self.tp_split, m.cfg.n_embd)
