@@ -474,14 +474,27 @@ def check_pipeline(p, world, model, micro_batches):
         return "parallel.pp > 1 with HSDP (parallel.dp_replicate > 1) is not built yet; use parallel.dp_replicate=1"
     if p.impl == "deepspeed":
         return "parallel.pp > 1 with parallel.impl=deepspeed is not wired; use parallel.impl=scratch or torch"
-    if p.impl == "torch" and (p.data != "none" or d["dp"] > 1):
-        return ("parallel.pp > 1 with parallel.impl=torch (torch.distributed.pipelining) runs without a data "
-                "strategy here: use parallel.data=none and dp=1, or parallel.impl=scratch")
-    if d["dp"] > 1 and (s == "interleaved_1f1b" or p.data in ("zero1", "zero2")):
-        # the data strategies reduce a bucket when one backward has filled it; a rank's last interleaved backward
-        # covers one of its chunks only
-        return (f"parallel.pp_schedule={s} with parallel.data={p.data} over dp={d['dp']} is not built yet; use "
-                f"gpipe, 1f1b or zero_bubble with data ddp or fsdp")
+    if p.impl == "torch" and d["dp"] > 1:
+        # torch's schedules drive the data strategy's wrapper as the stage's module (parallel/pp.py, torch_step)
+        why = {"interleaved_1f1b": "drives the data strategy's wrapper as a stage's module, and ours wraps all of "
+                                   "a rank's chunks in one (torchtitan wraps each chunk apart)",
+               "zero_bubble": "(ScheduleInterleavedZeroBubble) beside DistributedDataParallel or FSDP2 gives "
+                              "gradients that differ from single's (torch 2.13, gloo)"}.get(s)
+        if s == "gpipe" and p.data in ("ddp", "zero1"):  # zero1's twin is DistributedDataParallel + ZeRO's optimizer
+            why = ("(ScheduleGPipe) beside DistributedDataParallel stops in its first step on an internal assert of "
+                   "DDP's reducer (rebuilt parameter indices; torch 2.13, gloo)")
+        if why:
+            return (f"parallel.pp_schedule={s} parallel.data={p.data} over dp={d['dp']} with parallel.impl=torch: "
+                    f"torch.distributed.pipelining {why}; use 1f1b, or parallel.impl=scratch")
+    if p.accumulate == "sharded":
+        # the schedule runs every backward under no_sync and the strategy reduces once after it (parallel/pp.py)
+        return ("parallel.accumulate=sharded with parallel.pp > 1: a pipeline's strategy reduces once after the "
+                "schedule, not every micro-step; use parallel.accumulate=local")
+    if v > 1 and p.data == "fsdp" and (model.n_layer // (pp * v)) % p.blocks_per_unit:
+        # FSDP gathers a unit around its own blocks' forward and backward; a unit across two chunks is needed
+        # while the other chunk runs
+        return (f"parallel.blocks_per_unit={p.blocks_per_unit} with interleaved_1f1b: each of the {pp * v} virtual "
+                f"stages has {model.n_layer // (pp * v)} blocks, and an FSDP unit must not span two; use a divisor")
     return None
 
 

@@ -122,7 +122,7 @@ def parallelize(model, p, mesh, make_optimizer, device, train):
         data = DataParallel(model, make_optimizer) if one_replica else \
             DATA_PARALLEL[p.data, p.impl](model, data_mesh, p, make_optimizer)
     if pipeline is not None:  # the schedule calls the stages through the data strategy's wrapper and hooks
-        pipeline.call, pipeline.no_sync = data.model, data.no_sync
+        pipeline.call, pipeline.no_sync, pipeline.reduce_grads = data.model, data.no_sync, data.reduce_grads
     return Parallelized(data.model, data.module, data.optimizer, data, par_tp, mesh, dims, device, dp_rank,
                         pipeline)
 

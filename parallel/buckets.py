@@ -78,11 +78,22 @@ class ReadyHooks:
     def _end_of_backward(self):
         self.queued = False
         missing = [i for i, b in enumerate(self.buckets) if b.ready != len(b.params)]
-        if missing:
+        # under no_sync a backward may fill only some buckets: a pipeline's covers one chunk of the rank's stages,
+        # and reduce_all() reduces every bucket once the schedule is over
+        if missing and self.sync:
             raise RuntimeError(f"buckets {missing} did not receive every gradient in this backward; every parameter "
                                "must take part in the loss (unused parameters are not supported)")
         for b in self.buckets:
             b.ready = 0
+        self.on_done()
+
+    def reduce_all(self):
+        """Reduce every bucket now, as when one backward has filled them all, then end as a backward ends: what a
+        pipeline calls once its schedule has run every backward under no_sync (no single backward of an interleaved
+        schedule fills every bucket, and which one comes last differs by rank)."""
+        assert self.sync, "reduce_all() runs outside no_sync"
+        for b in self.buckets:
+            self.on_ready(b)
         self.on_done()
 
     @contextlib.contextmanager

@@ -54,6 +54,9 @@ class DDP(nn.Module):
     def no_sync(self):
         return self.hooks.no_sync()
 
+    def reduce_grads(self):
+        self.hooks.reduce_all()
+
     def _all_reduce(self, b):
         grad = b.state["grad"]
         comm = grad if self.reduce_dtype == grad.dtype else grad.to(self.reduce_dtype)
@@ -74,6 +77,9 @@ class Replicated(DataParallel):
 
     def no_sync(self):
         return self.model.no_sync()
+
+    def reduce_grads(self):  # ours only: torch's DistributedDataParallel reduces in backward alone
+        self.model.reduce_grads()
 
 
 def apply_ddp(model, mesh, p, make_optimizer):

@@ -187,8 +187,9 @@ class FSDP(Sharded):
             acc = u.state["acc"] = torch.zeros(u.numel, dtype=self.reduce_dtype, device=self.device)
             self.local_grads += acc.numel() * acc.element_size()
         for p, o in zip(u.params, u.offsets):
-            acc[o: o + p.numel()].add_(p.grad.view(-1))
-            p.grad = None
+            if p.grad is not None:  # None: added already, as a backward under no_sync ended (reduce_grads)
+                acc[o: o + p.numel()].add_(p.grad.view(-1))
+                p.grad = None
         if self.hooks.sync:  # the last micro-step: reduce-scatter the sum (non-final ones keep it local)
             flat = u.state.pop("acc")
             self.local_grads -= flat.numel() * flat.element_size()
@@ -235,6 +236,9 @@ class FSDP(Sharded):
     # --- the optimizer's interface
     def no_sync(self):
         return self.hooks.no_sync()
+
+    def reduce_grads(self):
+        self.hooks.reduce_all()
 
     def holders(self, p):  # the parameter itself is a view into a freed buffer: the shards are the truth
         segs = [(s, s.param_offset) for s in self.segments.get(p, [])]

@@ -20,9 +20,14 @@ weight gradients; under zero_bubble only the input gradient, what the previous s
 weight gradients, deferred). `schedule()` builds them, `simulate()` times them with unit costs (the bubble, the
 Gantt chart of tools/pp_schedule.py), and `Pipeline.step` runs one: before each action it posts, in one batch, the
 sends of the action before and the receive the action after needs, so activations travel while it computes.
+Beside data parallelism over dp, every backward of the schedule runs under the data strategy's no_sync and the
+strategy reduces once after the schedule (`reduce_grads`): its gradient communication then follows the step's
+backward instead of overlapping the last one, which no single backward could start under interleaving anyway.
 
 The torch twin (parallel.impl=torch, `Pipeline.torch_step`): torch.distributed.pipelining's PipelineStage over the
-same chunks, with ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble.
+same chunks, with ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble. Beside a
+data strategy over dp, the stage's module is the strategy's wrapper (torch's DDP, FSDP2), which torch's schedules
+sync themselves; on gloo that runs for 1f1b (and gpipe under FSDP2), one chunk per rank (config.check_pipeline).
 
 Every rank builds only its stages' parameters from the meta device, with parallel=single's values: `split` first
 walks the whole model once, drawing each parameter into a scratch tensor and noting the RNG state before it, so
@@ -237,7 +242,8 @@ class Pipeline:
         self.tp_group = mesh.get_group("tp") if mesh["tp"].size() > 1 else None  # the last stage's vocab slices
         self.dtype = torch.bfloat16 if p.param_dtype == "bfloat16" and p.data != "none" else torch.float32
         self.names = set(states) - {None}  # the whole model's parameters, for checkpoints
-        self.call, self.no_sync = model, contextlib.nullcontext  # set by parallelize to the data strategy's
+        # set by parallelize to the data strategy's: its wrapper, its no_sync and the reduction after it
+        self.call, self.no_sync, self.reduce_grads = model, contextlib.nullcontext, lambda: None
         self.log, self.peak = [], 0  # the actions run, in order; the most micro-batches held at once
         cp = mesh.get_group("cp")
         self.cp_n, self.cp_rank, self.positions = cp.size(), cp.rank(), None  # see _cp_split
@@ -297,11 +303,9 @@ class Pipeline:
 
     # --- running a schedule
     def run(self, actions, x, y, shape, accum=1, train=True):
-        """Run `actions` over micro-batches x[i], y[i]; returns this rank's summed loss (zero off the last stage).
-        Each rank's last gradient pass runs outside no_sync: it is the one that has the data strategy reduce."""
+        """Run `actions` over micro-batches x[i], y[i]; returns this rank's summed loss (zero off the last stage)."""
         last_stage = self.pp * self.v - 1
         grads_in = W if any(a[0] == W for a in actions) else B
-        final = max(i for i, a in enumerate(actions) if a[0] == grads_in) if train else -1
         held = {}  # (chunk, micro) -> (input, output[, output gradient])
         loss_sum = torch.zeros((), device=self.device)
         sends, works = [], []  # works: every send and receive posted, oldest first
@@ -339,15 +343,14 @@ class Pipeline:
             else:
                 inp, out, grad = held.pop((chunk, i))
             g = None
-            with self.no_sync() if n != final else contextlib.nullcontext():
-                if kind == B and grads_in == B:  # input and weight gradients in one pass
-                    torch.autograd.backward(out, grad)
-                    g = inp.grad if s > 0 else None
-                elif kind == B:  # the input gradient alone; the graph stays for W
-                    g = torch.autograd.grad(out, inp, grad, retain_graph=True)[0] if s > 0 else None
-                    held[chunk, i] = (inp, out, grad)
-                else:  # W: the weight gradients, through the kept graph
-                    torch.autograd.backward(out, grad, inputs=self.params)
+            if kind == B and grads_in == B:  # input and weight gradients in one pass
+                torch.autograd.backward(out, grad)
+                g = inp.grad if s > 0 else None
+            elif kind == B:  # the input gradient alone; the graph stays for W
+                g = torch.autograd.grad(out, inp, grad, retain_graph=True)[0] if s > 0 else None
+                held[chunk, i] = (inp, out, grad)
+            else:  # W: the weight gradients, through the kept graph
+                torch.autograd.backward(out, grad, inputs=self.params)
             if g is not None:
                 sends.append((self._peer(s - 1), self._tag(B, s - 1, i), g))
         works += self._post(sends, None)
@@ -364,7 +367,12 @@ class Pipeline:
         self.log = []
         self.params = [q for q in self.model.parameters() if q.requires_grad]  # W's (FSDP swaps parameters)
         actions = schedule(self.name, self.pp, accum, self.v)[self.rank]
-        return self.run(actions, xs, ys, self._shape(x, micro), accum)
+        # every backward accumulates locally, and the data strategy reduces once the schedule is over: no backward
+        # of an interleaved schedule covers all of a rank's chunks, and the one that comes last differs by rank
+        with self.no_sync():
+            loss_sum = self.run(actions, xs, ys, self._shape(x, micro), accum)
+        self.reduce_grads()
+        return loss_sum
 
     def _shape(self, x, micro):
         return micro, x.size(1) // self.tp_split, self.model.cfg.n_embd
@@ -386,8 +394,12 @@ class Pipeline:
         splits it into accum micro-batches, and scales the gradients by 1 / accum itself."""
         from torch.distributed import pipelining as tp_
         if self.torch_schedule is None:
-            stages = [tp_.PipelineStage(_Chunk(self, c), self._stage(c), self.pp * self.v, torch.device(self.device),
-                                        group=self.group) for c in range(self.v)]
+            # beside a data strategy the stage's module is its wrapper (DistributedDataParallel, FSDP2's root), which
+            # torch's schedules drive themselves: no_sync but on the last backward (DDP), gradient sync off until the
+            # schedule's REDUCE_GRAD (FSDP2). One chunk per rank then: the wrapper holds all of the rank's chunks
+            mods = [self.call] if self.call is not self.model else [_Chunk(self, c) for c in range(self.v)]
+            stages = [tp_.PipelineStage(m, self._stage(c), self.pp * self.v, torch.device(self.device),
+                                        group=self.group) for c, m in enumerate(mods)]
             single = {"gpipe": tp_.ScheduleGPipe, "1f1b": tp_.Schedule1F1B}
             multi = {"interleaved_1f1b": tp_.ScheduleInterleaved1F1B,
                      "zero_bubble": tp_.ScheduleInterleavedZeroBubble}

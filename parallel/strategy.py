@@ -6,6 +6,8 @@ A data-parallel strategy (parallel/ddp.py, zero.py, fsdp.py; parallel.data) is a
   optimizer        what the loop steps (param_groups, step, zero_grad): ZeRO and FSDP step their shards themselves
   local_optimizer  the torch optimizer that holds this rank's state (checkpoints, state accounting)
   no_sync()        the context of a non-final micro-step of gradient accumulation: no gradient communication
+  reduce_grads()   reduce now what the backwards under no_sync accumulated (a pipeline runs its whole schedule
+                   under no_sync, then this once)
   grads_sharded    true where each data-parallel rank holds a disjoint piece of every gradient (ZeRO-2, FSDP)
   replicas         how many data-parallel ranks hold each such piece: 1, or HSDP's dp_replicate
   grad_pieces()    [(parameter name, gradient piece)] on this rank, for the global norm
@@ -43,6 +45,9 @@ class DataParallel:
 
     def no_sync(self):
         return contextlib.nullcontext()
+
+    def reduce_grads(self):
+        pass
 
     def grad_pieces(self):
         return [(n, p.grad) for n, p in self.module.named_parameters() if p.grad is not None]

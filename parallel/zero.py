@@ -115,6 +115,9 @@ class ZeroOptimizer(Sharded):
     def no_sync(self):
         return self.hooks.no_sync()
 
+    def reduce_grads(self):
+        self.hooks.reduce_all()
+
     def _sink(self, p, b, o):
         """bf16 weights, fp32 gradients: add this micro-step's bf16 .grad into the bucket's fp32 buffer (stage 1's
         full buffer; stage 2's accumulation buffer, which the bucket's reduce-scatter then consumes)."""

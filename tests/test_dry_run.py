@@ -76,6 +76,31 @@ def test_70b_at_world_512(strategy):
     assert_planner_equals(m, predicted)
 
 
+# context parallel and HSDP at world 64: fsdp_cp over cp=4 at a long sequence (each rank 1024 of every 4096 tokens),
+# ring and all-gather, and HSDP as 8 replicas of 8 shards. gpt_1p3b's width at 4 blocks: a fake step costs its op
+# count, and the ring's hops are many small ops per block
+LONG = [*(o for o in GPT_1P3B if not o.startswith("train.seq_len")), "model.n_layer=4", "train.seq_len=4096",
+        "model.block_size=4096"]
+CP_HSDP = {"fsdp_cp ring": ["parallel=fsdp", "parallel.cp=4", "parallel.cp_method=ring", "train.global_batch_size=16"],
+           "fsdp_cp allgather": ["parallel=fsdp", "parallel.cp=4", "parallel.cp_method=allgather",
+                                 "train.global_batch_size=16"],
+           "hsdp": [*GPT_1P3B, "model.n_layer=4", "parallel=hsdp", "parallel.dp_shard=8", "train.global_batch_size=64"]}
+
+
+@pytest.mark.parametrize("name", CP_HSDP)
+def test_cp_and_hsdp_at_world_64(name):
+    """The planner's state and communication by (mesh dimension, collective) within 1% of what rank 3 of 64
+    measures: the ring's p2p hops and the all-gather's collectives over "cp", the data strategy's over dp x cp
+    ("dp_cp"); HSDP's within "dp_shard" and across "dp_replicate"."""
+    overrides = CP_HSDP[name] if name == "hsdp" else [*LONG, *CP_HSDP[name]]
+    m, predicted = dry(*overrides)
+    assert m["compute"] == "fake" and m["world_size"] == 64
+    assert m["dims"]["cp"] == (4 if "cp" in name else 1)
+    dims = {dim for dim, _ in m["comm"]}
+    assert ({"cp", "dp_cp"} if "cp" in name else {"dp_shard", "dp_replicate"}) <= dims, dims
+    assert_planner_equals(m, predicted)
+
+
 def test_real_tensors_measure_what_fake_ones_do():
     """A small model as rank 5 of 64, computed for real and on fake tensors, with gradient accumulation: the same
     bytes to the byte, so the fake numbers above are the real code's, and the planner's within 1%."""

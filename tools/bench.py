@@ -42,6 +42,13 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 PP_MODEL = ["model.n_layer=8"]
 PP_JOBS = [("single", None, PP_MODEL)] + [("pp", i, [*PP_MODEL, "parallel.data=none", f"parallel.pp_schedule={s}"])
                                           for s in PP_SCHEDULES for i in ("scratch", "torch")]
+# context parallel at one long sequence (--strategies ...,cp): ring and all-gather attention over cp = world, and DDP
+# over the same ranks at that sequence (each rank whole sequences) as their baseline. torch's context_parallel is
+# GPU-only (config.check_cp): no twin row on CPU
+CP_RUN = ["model.block_size=2048", "train.seq_len=2048", "train.global_batch_size=4", "train.micro_batch_size=1",
+          "train.max_steps=8", "train.log_every=2"]
+CP_ROWS = [("ddp (whole sequences)", "ddp", []), ("ring", "cp", ["parallel.cp_method=ring"]),
+           ("allgather", "cp", ["parallel.cp_method=allgather"])]
 DEFAULTS = ["train.global_batch_size=32", "train.micro_batch_size=8", "train.max_steps=25", "train.log_every=5",
             "train.eval_every=1000", "train.eval_steps=1", "train.sample_tokens=0", "checkpoint.keep=0",
             "logger.mode=disabled"]
@@ -102,13 +109,14 @@ def main():
                     help="comma-separated subset to run (default: all; single is always run, FSDP's knobs with fsdp)")
     ap.add_argument("--compile", action="store_true",
                     help="also run every configuration with train.compile=true: compiled tok/s and compiled/eager")
+    ap.add_argument("--no-knobs", action="store_true", help="leave out FSDP's knob rows (run with fsdp otherwise)")
     ap.add_argument("--out", default=os.path.join(ROOT, "outputs", "bench"), help="results go in a new folder here")
     ap.add_argument("overrides", nargs="*", help="train.py overrides for every job, e.g. model=gpt_125m")
     a = ap.parse_args()
     if a.world < 2 or a.rounds < 1:
         sys.exit("error: --world must be at least 2 and --rounds at least 1")
     chosen = {"single", *a.strategies.split(",")}
-    presets = [s for s, _ in CONFIGS[::2]] + ["pp"]
+    presets = [s for s, _ in CONFIGS[::2]] + ["pp", "cp"]
     unknown = chosen - set(presets)
     if unknown:
         sys.exit(f"error: --strategies {','.join(sorted(unknown))}: expected some of {','.join(presets)}")
@@ -117,13 +125,16 @@ def main():
         print("deepspeed: not installed, its rows left out (pip install deepspeed==0.19.8)")
     else:
         configs += [(s, i) for s, i in DEEPSPEED if s in chosen]
-    knobs = KNOBS if "fsdp" in chosen else []
+    knobs = KNOBS if "fsdp" in chosen and not a.no_knobs else []
     out = os.path.join(a.out, time.strftime("%Y-%m-%d_%H-%M-%S"))
     os.makedirs(out)  # a new folder: never overwrites an earlier benchmark
 
     jobs = [(s, i, []) for s, i in configs] + [("fsdp", "scratch", o) for _, o in knobs]
     first_pp = len(jobs)
     jobs += PP_JOBS if "pp" in chosen else []
+    cp_rows = CP_ROWS if "cp" in chosen else []
+    first_cp = len(jobs)
+    jobs += [(s, "scratch", [*CP_RUN, *o]) for _, s, o in cp_rows]
     # compiled twins of each configuration (torch's tensor parallel refuses compile: its collectives would run
     # inside the graphs, uncounted)
     compiled = {c: len(jobs) + n for n, c in enumerate(c for c in configs
@@ -186,6 +197,16 @@ def main():
                       "comm_in_psi": f"{results[k][-1][2]['comm_bytes'] / results[k][-1][0]['param_bytes']:.3f}"}
                      for label, k in knob_jobs]
     pp_rows = pipeline_rows(results, jobs, first_pp, tok_s, ratio, peak_mib) if "pp" in chosen else []
+    cp_table = []
+    for n, (label, _, _) in enumerate(cp_rows):
+        k = first_cp + n
+        start, _, last = results[k][-1]
+        cp_table.append({"cp row": label, "dp x cp": f"{start['dp']} x {start['cp']}", "tok_per_s": round(tok_s(k)),
+                         "vs_ddp": ratio(k, first_cp),
+                         "vs_ring": ratio(k, first_cp + 1) if n else "", "peak_MiB": f"{peak_mib(k):.0f}",
+                         "comm_MiB_per_step": f"{last['comm_bytes'] / 2**20:.2f}", "comm_MiB_by_dim": by_dim(last),
+                         "comm_vs_theory": f"{last['comm_bytes'] / start['comm_theory']:.3f}"
+                         if start["comm_theory"] else ""})
     P = results[0][0][0]["n_params"]
     note = (f"{P:,} parameters; theory (ZeRO paper, fp32 Adam): comm 2 Psi for ddp/zero1/zero2, (2 x accumulation "
             f"+ 1) Psi for fsdp (within dp_shard for hsdp, and 2 Psi / dp_shard across dp_replicate); state 16P, "
@@ -200,12 +221,14 @@ def main():
                "2 (parallel/pp.py's bubble, the planner's); in_flight: the most micro-batches whose activations a rank "
                "holds. vs_single: against single on the same 8 blocks.")
     text = markdown(rows) + ("\n\n" + markdown(knob_rows) if knob_rows else "") + \
-        ("\n\n" + markdown(pp_rows) if pp_rows else "") + "\n\n" + note + (" " + pp_note if pp_rows else "")
+        ("\n\n" + markdown(pp_rows) if pp_rows else "") + \
+        ("\n\n" + markdown(cp_table) + f"\n\ncp rows: {' '.join(CP_RUN)}" if cp_table else "") + "\n\n" + note + \
+        (" " + pp_note if pp_rows else "")
     print("\n" + text)
     with open(os.path.join(out, "bench.md"), "w") as f:
         f.write(text + "\n")
     tables = [("bench.csv", rows)] + ([("bench_knobs.csv", knob_rows)] if knob_rows else []) + \
-        ([("bench_pp.csv", pp_rows)] if pp_rows else [])
+        ([("bench_pp.csv", pp_rows)] if pp_rows else []) + ([("bench_cp.csv", cp_table)] if cp_table else [])
     for name, table in tables:
         with open(os.path.join(out, name), "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(table[0]))
@@ -242,11 +265,12 @@ def by_dim(record):
     """A log step's collective bytes summed by mesh dimension, in MiB: "dp_shard 1.25, dp_replicate 0.31"."""
     from parallel.comm import C10D
     dims = {}
-    for kind in sorted({k for k, _, _ in C10D.values()}):
-        for key, v in record.items():
-            if key.startswith("comm_") and key.endswith(f"_{kind}"):  # comm_<dim>_<kind>, as train.py logs them
-                dim = key[len("comm_"): -len(kind) - 1]
-                dims[dim] = dims.get(dim, 0) + v
+    kinds = sorted({k for k, _, _ in C10D.values()}, key=len, reverse=True)  # all_reduce matched before reduce
+    for key, v in record.items():
+        kind = next((k for k in kinds if key.endswith(f"_{k}")), None) if key.startswith("comm_") else None
+        if kind:  # comm_<dim>_<kind>, as train.py logs them
+            dim = key[len("comm_"): -len(kind) - 1]
+            dims[dim] = dims.get(dim, 0) + v
     return ", ".join(f"{d} {v / 2**20:.2f}" for d, v in dims.items())
 
 

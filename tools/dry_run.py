@@ -5,6 +5,7 @@ measures stands beside the planner's prediction for the same config.
     python train.py model=gpt_1p3b parallel=fsdp dry_run.world=512 dry_run.rank=0
     python train.py model=gpt_70b parallel=fsdp_tp parallel.tp=8 dry_run.world=512 train.seq_len=2048
     python -m tools.dry_run --table                 # the README's table: gpt_70b at 512 ranks, every strategy
+    python -m tools.dry_run --table --only=hsdp,fsdp_cp   # the rows of those layouts alone
 
 How. `init_process_group("fake")` (torch.testing's FakeStore): every collective returns at once and moves nothing,
 so this process behaves as rank r of `dry_run.world` ranks; parallel/comm.py counts each collective as a real run
@@ -23,7 +24,8 @@ dimension. Each is printed beside tools/plan.py's prediction, with the ratio; me
 `state_bytes`, `comm_bytes`, `param_bytes`, `world_size` and `comm_<dim>_<kind>` keys, plus `dry_run: true`.
 
 What runs under the fake backend (checked by tests/test_dry_run.py):
-- ours: ddp, zero1, zero2, fsdp, tp, fsdp_tp (and ZeRO beside tp), real or fake tensors;
+- ours: ddp, zero1, zero2, fsdp, hsdp, tp, fsdp_tp (and ZeRO beside tp), and context parallel beside them (the
+  ring's send/recv and the all-gather's collectives return at once as the others do), real or fake tensors;
 - torch's: FSDP2 (fsdp, zero2), DTensor tensor parallel (tp with composable replicate over dp, fsdp_tp), real or
   fake tensors (DeviceMesh computes a rank's coordinates with tensor ops, which fake tensors can't answer: the meshes
   those twins build are made outside FakeTensorMode, `_real_meshes`);
@@ -35,8 +37,7 @@ What runs under the fake backend (checked by tests/test_dry_run.py):
   its collectives do, so a stage steps through its schedule on empty activations; the planner's numbers are those
   of the pp rank played (dry_run.rank // (world / pp)). torch.distributed.pipelining runs without a data strategy
   here (config.check_pipeline), so its row is one line saying so.
-Context parallel joins when it lands: its dims come from the mesh like dp and tp, `compare` files the planner's
-(dim, kind) predictions for them, and `layouts` names them; nothing here routes on a layout's name.
+- not torch's context_parallel: it is GPU-only (config.check_cp), here as in a real run.
 """
 import contextlib
 import os
@@ -133,16 +134,21 @@ def _real_meshes():
     tensors (they are small index tables), whatever mode is active."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import DeviceMesh
-    init = DeviceMesh.__init__
+    from parallel import cp
+    init, data_mesh = DeviceMesh.__init__, cp.data_mesh
 
     def real_init(self, *args, **kwargs):
         with unset_fake_temporarily():
             init(self, *args, **kwargs)
-    DeviceMesh.__init__ = real_init
+
+    def real_data_mesh(mesh):  # context parallel's data mesh: its groups are enumerated from the mesh's ranks
+        with unset_fake_temporarily():
+            return data_mesh(mesh)
+    DeviceMesh.__init__, cp.data_mesh = real_init, real_data_mesh
     try:
         yield
     finally:
-        DeviceMesh.__init__ = init
+        DeviceMesh.__init__, cp.data_mesh = init, data_mesh
 
 
 @contextlib.contextmanager
@@ -311,6 +317,11 @@ LAYOUTS = [("ddp", []), ("zero1", []), ("zero2", []), ("fsdp", []),
            ("fsdp_tp", ["parallel.tp=8", "train.micro_batch_size=8"]),
            # 8 stages of 10 blocks x FSDP over dp = 64: 8 micro-batches per step through each pipeline
            ("pp", ["parallel.pp=8", "parallel.data=fsdp"])]
+# HSDP: 64 replicas of 8-rank shard groups (a node each); context parallel: FSDP over 64 x cp 8 at a 16k sequence,
+# each rank 2048 tokens of every sequence, the same tokens per rank as above
+LAYOUTS += [("hsdp", ["parallel.dp_shard=8"])] + \
+    [("fsdp", ["parallel.cp=8", f"parallel.cp_method={method}", "train.seq_len=16384", "model.block_size=16384",
+               "train.global_batch_size=64"]) for method in ("ring", "allgather")]
 
 
 def layouts(impls=("scratch", "torch")):
@@ -320,8 +331,9 @@ def layouts(impls=("scratch", "torch")):
             yield name, impl, extra
 
 
-def table(overrides, impls=("scratch", "torch"), steps=1):
-    """Markdown: per-rank state, peak model state and communication per step, measured and predicted."""
+def table(overrides, impls=("scratch", "torch"), steps=1, only=None):
+    """Markdown: per-rank state, peak model state and communication per step, measured and predicted; `only`: the
+    layout names (config.layout_name: hsdp, fsdp_cp, ...) whose rows to run, every row where None."""
     head = ("| parallel | impl | dp x tp | tensors | state GB | planner | ratio | peak model state GB | planner | "
             "ratio | comm GB/step | planner | ratio |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -329,10 +341,13 @@ def table(overrides, impls=("scratch", "torch"), steps=1):
     for name, impl, extra in layouts(impls):
         cfg = plan.compose([*TABLE, *overrides, f"parallel={name}", f"parallel.impl={impl}", *extra],
                            config_name="config")
+        layout = config.layout_name(cfg.parallel, cfg.dry_run.world)
+        if only is not None and layout not in only:
+            continue
         try:
             device, dtype, accum, compute, predicted = check(cfg)
         except ConfigError as e:  # torch's DDP twins: they don't run under the fake process group
-            skipped.append(f"{name} {impl}: {e}")
+            skipped.append(f"{layout} {impl}: {e}")
             continue
         m = measure(cfg, cfg.dry_run.rank, cfg.dry_run.world, compute, device, dtype, accum, steps)
         ppeak = predicted["state"] + predicted["memory"]["transient"]
@@ -341,7 +356,10 @@ def table(overrides, impls=("scratch", "torch"), steps=1):
         else:
             peak = m["state_bytes"] + m["transient_bytes"]
             peak = f"{peak / GB:.2f} | {ppeak / GB:.2f} | {ratio(peak, ppeak)}"
-        lines.append(f"| {name} | {impl} | {m['dims']['dp']} x {m['dims']['tp']} | {compute} | "
+        d = config.degrees(cfg.parallel, cfg.dry_run.world)  # the layout's name, with cp's and HSDP's split
+        label = m["layout"] + (f" (cp={d['cp']}, {cfg.parallel.cp_method})" if d["cp"] > 1 else "") + \
+            (f" ({d['dp_replicate']} x {d['dp_shard']})" if d["dp_replicate"] > 1 else "")
+        lines.append(f"| {label} | {impl} | {m['dims']['dp']} x {m['dims']['tp']} | {compute} | "
                      f"{m['state_bytes'] / GB:.2f} | {predicted['state'] / GB:.2f} | "
                      f"{ratio(m['state_bytes'], predicted['state'])} | {peak} | "
                      f"{m['comm_bytes'] / GB:.2f} | {predicted['comm_total'] / GB:.2f} | "
@@ -354,9 +372,11 @@ def main(argv):
     if "--table" not in argv:
         print(__doc__)
         return
-    overrides = [a for a in argv if a != "--table"]
+    # --only hsdp,fsdp_cp: those layouts' rows alone (the whole table takes about 40 minutes here)
+    only = next((a.split("=", 1)[1].split(",") for a in argv if a.startswith("--only=")), None)
+    overrides = [a for a in argv if a != "--table" and not a.startswith("--only=")]
     try:
-        print(table(overrides))
+        print(table(overrides, only=only))
     except ConfigError as e:
         sys.exit(f"error: {e}")
 
