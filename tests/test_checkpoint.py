@@ -207,10 +207,11 @@ def test_export_and_sample(ref, tmp_path):
 # --- resharding: a chain of runs, each resuming from the one before at the next step, that crosses every strategy
 # and every world size, as the saver and as the loader, and every layout checkpoint.py knows: whole tensors (single;
 # ddp and zero2 under torch are laid out as ddp and zero1 are), flat ranges (our zero, our fsdp), row/column blocks
-# (our tp), both at once (our fsdp_tp), torch's ZeroRedundancyOptimizer, and DTensors (torch's fsdp, tp, fsdp_tp)
+# (our tp), both at once (our fsdp_tp), torch's ZeroRedundancyOptimizer, DTensors (torch's fsdp, tp, fsdp_tp), and
+# a pipeline's stages (each rank writes its own blocks under single's names)
 CHAIN = [("ddp", "scratch", 2), ("zero1", "torch", 4), ("fsdp", "scratch", 1), ("tp", "torch", 2),
-         ("fsdp_tp", "scratch", 4), ("zero2", "scratch", 2), ("fsdp", "torch", 2), ("tp", "scratch", 2),
-         ("fsdp_tp", "torch", 4), ("single", None, 1)]
+         ("fsdp_tp", "scratch", 4), ("zero2", "scratch", 2), ("fsdp", "torch", 2), ("pp", "scratch", 2),
+         ("tp", "scratch", 2), ("fsdp_tp", "torch", 4), ("single", None, 1)]
 
 
 def test_resharding_chain_across_strategies_and_world_sizes(tmp_path):

@@ -118,16 +118,16 @@ def runs8(tmp_path_factory):
 @pytest.mark.parametrize("schedule,pp_,data,impl,tp,sp", CASES, ids=IDS)
 def test_equal_to_single(runs, single_pp, schedule, pp_, data, impl, tp, sp):
     dirs, launch = runs
-    check_case(dirs[case_id(schedule, pp_, data, impl, tp, sp)], launch, single_pp, 4, schedule, pp_, data, tp, sp)
+    check_case(dirs[case_id(schedule, pp_, data, impl, tp, sp)], launch, single_pp, 4, schedule, pp_, data, impl, tp, sp)
 
 
 @pytest.mark.parametrize("schedule,pp_,data,impl,tp,sp", CASES8, ids=IDS8)
 def test_equal_to_single_3d(runs8, single_pp, schedule, pp_, data, impl, tp, sp):
     dirs, launch = runs8
-    check_case(dirs[case_id(schedule, pp_, data, impl, tp, sp)], launch, single_pp, 8, schedule, pp_, data, tp, sp)
+    check_case(dirs[case_id(schedule, pp_, data, impl, tp, sp)], launch, single_pp, 8, schedule, pp_, data, impl, tp, sp)
 
 
-def check_case(run_dir, launch, single_pp, world, schedule, pp_, data, tp, sp):
+def check_case(run_dir, launch, single_pp, world, schedule, pp_, data, impl, tp, sp):
     ref, ref_sample = single_pp
     dp, last_step = world // (pp_ * tp), 2 * STEPS if tp > 1 else STEPS
     # the gradient norm covers every stage (the tp ranks' shards once, their replicated norm gains once); the loss
