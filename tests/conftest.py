@@ -127,6 +127,16 @@ def forked(world, fn):
     assert [p.exitcode for p in ranks] == [0] * world, "a rank failed: its traceback is in the captured stderr"
 
 
+def assert_refused(tmp_path, overrides, world, message):
+    """train.check_config on small_run(*overrides) at `world` ranks stops with a one-line ConfigError that says
+    `message`, before anything is written (the run dir is never made)."""
+    import train
+    with pytest.raises(train.ConfigError) as err:
+        train.check_config(make_cfg(*small_run(*overrides)), str(tmp_path / "run"), world)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert not (tmp_path / "run").exists()
+
+
 def torchrun_jobs(nproc, jobs, timeout=600):
     """Several train.py jobs [(run dir, [overrides])] on nproc local ranks (gloo), in one torchrun launch
     (tools/jobs.py): torch, Hydra and W&B start once per rank for all of them. Returns the CompletedProcess."""
