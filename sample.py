@@ -1,7 +1,7 @@
-"""Generate text from an exported model (one safetensors file; `python -m tools.checkpoint CHECKPOINT OUT`),
+"""Generate text from an exported model (one safetensors file; `python -m checkpoint CHECKPOINT OUT`),
 on one process, whatever strategy and world size trained it.
 
-    python -m tools.checkpoint outputs/2026-11-30/12-00-00 model.safetensors   # the run's newest checkpoint
+    python -m checkpoint outputs/2026-11-30/12-00-00 model.safetensors   # the run's newest checkpoint
     python sample.py model.safetensors --prompt "def " --tokens 200
 """
 import argparse
@@ -23,7 +23,7 @@ def load(path, device="cpu"):
             meta = json.loads((f.metadata() or {})["nanoparallel"])
         weights = load_file(path, device=device)
     except (OSError, SafetensorError, KeyError, ValueError) as e:
-        raise ValueError(f"{path} is not a model exported by `python -m tools.checkpoint` "
+        raise ValueError(f"{path} is not a model exported by `python -m checkpoint` "
                          f"({type(e).__name__}: {e})") from None
     with torch.device("meta"):
         model = GPT(GPTConfig(**meta["model"]))
@@ -34,7 +34,7 @@ def load(path, device="cpu"):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model", help="a .safetensors file written by python -m tools.checkpoint")
+    ap.add_argument("model", help="a .safetensors file written by python -m checkpoint")
     ap.add_argument("--prompt", default="\n")
     ap.add_argument("--tokens", type=int, default=200, help="new tokens per sample")
     ap.add_argument("--samples", type=int, default=1)

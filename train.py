@@ -27,16 +27,17 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
+import checkpoint
 import config
+import launch
 import parallel
+from checkpoint import Diverged
 from config import ConfigError
 from data import prepare, shards
 from model import GPT
 from parallel import pp
 from parallel.comm import CommCounter
-from tools import checkpoint, dry_run, launch, plan
-from tools.checkpoint import Diverged
-from tools.metrics import Metrics, peak_memory_mb, peak_reserved_mb, profiler
+from metrics import Metrics, peak_flops, peak_memory_mb, peak_reserved_mb, profiler
 
 
 def check_config(cfg, run_dir, world):
@@ -162,11 +163,11 @@ def run(cfg, run_dir):
         else contextlib.nullcontext()
     # MFU only against a peak someone stated: train.peak_tflops, or the datasheet's for a GPU we know by name
     gpu = torch.cuda.get_device_name(device) if device.startswith("cuda") else None
-    peak = t.peak_tflops * 1e12 if t.peak_tflops else plan.peak_flops(gpu) if gpu else None
+    peak = t.peak_tflops * 1e12 if t.peak_tflops else peak_flops(gpu) if gpu else None
     if gpu and not peak:
-        print0(f"mfu: left out: no datasheet peak for {gpu!r} in tools/plan.py DEVICE_PEAKS; set train.peak_tflops")
+        print0(f"mfu: left out: no datasheet peak for {gpu!r} in metrics.py DEVICE_PEAKS; set train.peak_tflops")
 
-    # --- resume: any strategy's checkpoint at any world size loads into this one (tools/checkpoint.py)
+    # --- resume: any strategy's checkpoint at any world size loads into this one (checkpoint.py)
     tokenizer_spec = prepare.tokenizer_spec(data_dir, meta)
     tokenizer_sha256 = checkpoint.sha256_json(tokenizer_spec)
     start, wandb_id = 0, None
@@ -328,7 +329,7 @@ def run(cfg, run_dir):
             version_base="1.3")
 def main(cfg):
     """One job: this process's rank (torchrun, SLURM, or none), or the launcher of its own ranks
-    (launcher.nproc_per_node; tools/launch.py). In a sweep (-m) a failed job says why in one line, and the sweep
+    (launcher.nproc_per_node; launch.py). In a sweep (-m) a failed job says why in one line, and the sweep
     goes on to the next job: Hydra records it as failed and exits non-zero at the end."""
     hc = HydraConfig.get()
     run_dir = hc.runtime.output_dir
@@ -338,6 +339,7 @@ def main(cfg):
     cfg.logger.name = cfg.logger.name or hc.job.override_dirname or None
     try:
         if cfg.dry_run.world:  # one rank of a simulated world, in this process, under torch's fake process group
+            from tools import dry_run  # an instrument that drives this recipe: handed off to, never imported by it
             dry_run.run(cfg, run_dir, under_torchrun="TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ)
             return
         problem = launch.check(cfg.launcher, cfg.train.device, under_torchrun="TORCHELASTIC_RUN_ID" in os.environ)

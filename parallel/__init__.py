@@ -161,14 +161,3 @@ def apply_compile(model, tensor_parallel=False):
         block.forward = torch.compile(block.forward)
     model.loss = torch.compile(model.loss)
     return model
-
-
-def all_ranks(flag, op):
-    """A boolean every rank agrees on (op dist.ReduceOp.MIN: true on all of them; MAX: true on any). One process
-    without a process group: the flag itself."""
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        return flag
-    t = torch.tensor([int(flag)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t, op=op)
-    return bool(t.item())

@@ -140,3 +140,13 @@ class CommCounter:
 
     def __exit__(self, *exc):
         _open.remove(self)
+
+
+def all_ranks(flag, op):
+    """A boolean every rank agrees on (op dist.ReduceOp.MIN: true on all of them; MAX: true on any). One process
+    without a process group: the flag itself."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([int(flag)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=op)
+    return bool(t.item())

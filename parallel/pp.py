@@ -33,7 +33,7 @@ Every rank builds only its stages' parameters from the meta device, with paralle
 walks the whole model once, drawing each parameter into a scratch tensor and noting the RNG state before it, so
 that a stage's parameter is later drawn from exactly the state a single process would draw it from, in whatever
 order tensor parallel or FSDP materialize it. The stage keeps single's parameter names (blocks.5 stays blocks.5),
-so checkpoints reshard between pp and every other layout by name (tools/checkpoint.py).
+so checkpoints reshard between pp and every other layout by name (checkpoint.py).
 """
 import contextlib
 

@@ -183,7 +183,7 @@ def assert_same_steps(run_dir, ref_dir, rtol=1e-5):
 
 def final_weights(run_dir):
     """The run's weights at its last checkpoint, consolidated from whatever shards its ranks wrote."""
-    from tools import checkpoint
+    import checkpoint
     return checkpoint.consolidate(checkpoint.find(run_dir))[0]
 
 

@@ -1,4 +1,4 @@
-"""Distributed checkpoints (tools/checkpoint.py and train.py's loop): exact resume, resharding across every
+"""Distributed checkpoints (checkpoint.py and train.py's loop): exact resume, resharding across every
 strategy and world size, a killed rank, preemption, divergence, damaged checkpoints, export and sampling."""
 import glob
 import json
@@ -19,7 +19,7 @@ import sample
 import train
 from conftest import ROOT, assert_same_weights, make_cfg, read_metrics, small_run, torchrun
 from data import prepare, shards
-from tools import checkpoint
+import checkpoint
 
 S = 20
 BASE = small_run(f"train.max_steps={S}", "checkpoint.every=5", "checkpoint.keep=3", "train.eval_every=10")

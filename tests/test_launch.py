@@ -17,7 +17,8 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import ROOT, RUN, STEPS, losses, make_cfg, read_metrics, small_run
-from tools import launch, report
+import launch
+from tools import report
 
 QUICK = small_run("train.max_steps=2", "train.eval_every=2")  # evaluates at steps 0 and 2
 

@@ -81,7 +81,7 @@ def assert_steps(run_dir, ref, first, last):
 def assert_weights(path, ref_path, atol=1e-6):
     """The weights of checkpoint `path` equal to those of `ref_path`, consolidated from whatever wrote them."""
     import torch
-    from tools import checkpoint
+    import checkpoint
     got, ref = checkpoint.consolidate(path)[0], checkpoint.consolidate(ref_path)[0]
     assert got.keys() == ref.keys()
     for k in ref:

@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 import config
 import parallel
+import train
 from config import ConfigError
 from data import prepare
 from model import GPT
@@ -198,7 +199,6 @@ class SavedBytes:
 def measure(cfg, rank, world, compute, device, dtype, accum, steps, on_step=None):
     """One dry run in this process: rank `rank` of `world` under the fake backend, `steps` optimizer steps of
     train.py's own step. Returns what the last step measured. `on_step(step, measured)` sees every step."""
-    import train  # the recipe's optimizer and step (train.py imports this module; import it late)
     t = cfg.train
     mcfg = config.model_config(cfg, prepare.vocab_size(cfg.data))
     with fake_process_group(rank, world):
@@ -276,7 +276,7 @@ def report(cfg, measured, predicted):
 def run(cfg, run_dir, under_torchrun=False):
     """train.py's entry for `dry_run.world=N`: check, measure, write config.yaml and metrics.jsonl, print the report."""
     from omegaconf import OmegaConf
-    from tools.metrics import Metrics
+    from metrics import Metrics
     device, dtype, accum, compute, predicted = check(cfg, under_torchrun)
     if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
         raise ConfigError(f"{run_dir} already holds a run; a dry run writes into a fresh run dir")

@@ -14,7 +14,7 @@ Design choices:
 - MFU is the model's FLOPs per token (model.flops_per_token) x tokens/s, over the datasheet's dense bf16 peak
   (tools/plan.py GPUS) and over the 8192^3 matmul rate measured here first.
 - Peak memory is the CUDA caching allocator's: max allocated and max reserved, GB (on a CPU: peak RSS, no reserved).
-- Overhead: every job runs with train.profile=true, a torch.profiler trace of steps 2-4 (tools/metrics.py). Over
+- Overhead: every job runs with train.profile=true, a torch.profiler trace of steps 2-4 (metrics.py). Over
   those steps' wall time: `outside_kernels` is the share when no kernel ran on the GPU; `launch`, `sync` and
   `python` are shares of the host's time in kernel launch calls, in synchronize calls, and outside any torch op
   (the interpreter, hooks, the loop). They say where the host's time goes, not which of it the GPU waited for: a

@@ -49,6 +49,7 @@ from collections import Counter
 import torch
 
 import config
+from metrics import peak_flops
 from data import prepare
 from model import GPT, GPTConfig
 
@@ -67,20 +68,6 @@ LINKS = ("nvlink", "pcie")  # within a node, at the GPU's own rate above
 # Between nodes, per GPU, each way: NDR InfiniBand, 400 Gb/s per port (NVIDIA ConnectX-7 datasheet), one port per
 # GPU as in a DGX H100: 50 GB/s
 NETWORKS = {"infiniband": 50e9}
-
-
-# Dense bf16 peak FLOP/s by the exact name torch.cuda.get_device_name() gives, from NVIDIA's datasheets. Exact: the
-# PCIe and NVL cards share a family name with the SXM ones and peak lower (a substring match gave an H100 PCIe the
-# SXM5's 989 TFLOP/s). Any other GPU: train.peak_tflops.
-DEVICE_PEAKS = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
-                "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12,
-                "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100-PCIE-40GB": 312e12,
-                "NVIDIA A100 80GB PCIe": 312e12}
-
-
-def peak_flops(device_name):
-    """The datasheet's dense bf16 peak of a GPU named as torch.cuda.get_device_name() names it, or None."""
-    return DEVICE_PEAKS.get(device_name)
 
 
 # Which parts of the model state a strategy splits over its data-parallel ranks (the rest is whole on every rank)

@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.tensor import DTensor
 
 from config import ConfigError
-from parallel import all_ranks
+from parallel.comm import all_ranks
 
 NAME = re.compile(r"step_(\d{7})")
 
@@ -529,7 +529,7 @@ def export(path, out):
 def main(argv=None):
     import argparse
     import sys
-    ap = argparse.ArgumentParser(prog="python -m tools.checkpoint",
+    ap = argparse.ArgumentParser(prog="python -m checkpoint",
                                  description="Export a checkpoint (any strategy, any world size) to one safetensors "
                                              "file that `python sample.py` loads.")
     ap.add_argument("checkpoint", help="a checkpoint directory (step_<n>), or a run dir: its newest checkpoint")

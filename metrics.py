@@ -9,6 +9,20 @@ import torch
 from omegaconf import OmegaConf
 
 
+# Dense bf16 peak FLOP/s by the exact name torch.cuda.get_device_name() gives, from NVIDIA's datasheets. Exact: the
+# PCIe and NVL cards share a family name with the SXM ones and peak lower (a substring match gave an H100 PCIe the
+# SXM5's 989 TFLOP/s). Any other GPU: train.peak_tflops.
+DEVICE_PEAKS = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
+                "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12,
+                "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100-PCIE-40GB": 312e12,
+                "NVIDIA A100 80GB PCIe": 312e12}
+
+
+def peak_flops(device_name):
+    """The datasheet's dense bf16 peak of a GPU named as torch.cuda.get_device_name() names it, or None."""
+    return DEVICE_PEAKS.get(device_name)
+
+
 class Metrics:
     """On rank 0, every record goes to metrics.jsonl and W&B; on other ranks every call does nothing."""
 
