@@ -4,8 +4,10 @@ import contextlib
 import json
 import os
 import resource
+import time
 
 import torch
+import torch.distributed as dist
 from omegaconf import OmegaConf
 
 
@@ -49,6 +51,75 @@ class Metrics:
         if self.on:
             self.file.close()
             self.wandb.finish()
+
+
+def mfu_peak(peak_tflops, device):
+    """(the peak FLOP/s MFU is measured against, or None; why MFU is left out, or None): train.peak_tflops, or the
+    datasheet's for a GPU we know by name. A CPU has no MFU unless someone states its peak."""
+    gpu = torch.cuda.get_device_name(device) if str(device).startswith("cuda") else None
+    peak = peak_tflops * 1e12 if peak_tflops else peak_flops(gpu) if gpu else None
+    why = f"mfu: left out: no datasheet peak for {gpu!r} in metrics.py DEVICE_PEAKS; set train.peak_tflops" \
+        if gpu and not peak else None
+    return peak, why
+
+
+def start_record(step, cfg, par, n_params, flops_per_token, accum, dtype, mem_before_model):
+    """The run's first record: the model, the layout (parallel/layout.py's record: degrees, data strategy, impl,
+    name), what the strategies resolved (working dtype, fused optimizer) and the memory held before any model
+    state."""
+    t = cfg.train
+    return {"step": step, "n_params": n_params,
+            "param_bytes": n_params * torch.empty((), dtype=getattr(torch, cfg.parallel.reduce_dtype)).itemsize,
+            "world_size": par.layout.world, **par.layout.record(), "flops_per_token": flops_per_token,
+            "tokens_per_step": t.global_batch_size * t.seq_len, "grad_accum": accum, "device": par.device,
+            "dtype": dtype, "param_dtype": par.param_dtype,
+            "fused": bool(par.data.local_optimizer.param_groups[0].get("fused")), "compile": t.compile,
+            "mem_mb_before_model": mem_before_model}
+
+
+class Meter:
+    """Throughput between log steps, and each log step's record from what the step left on the device: the loss
+    averaged over the global batch, the gradient norm, tokens/s, peak memory, and the step's communication and
+    model state (rank 0's, and the largest over ranks: ZeroRedundancyOptimizer shards unevenly)."""
+
+    def __init__(self, par, tokens_per_step, flops_per_token, peak):
+        self.par, self.tokens_per_step, self.flops_per_token, self.peak = par, tokens_per_step, flops_per_token, peak
+        self.restart()
+
+    def restart(self):
+        """Time from now (after evaluation: its time is not training throughput)."""
+        self.t0, self.tokens = time.time(), 0
+
+    def stepped(self):
+        self.tokens += self.tokens_per_step
+
+    def record(self, loss_sum, grad_norm, accum, lr, comm_bytes, comm_by_dim, state):
+        par, device = self.par, self.par.device
+        loss = par.global_loss(loss_sum, accum)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        dt = time.time() - self.t0
+        tok_s = self.tokens / dt
+        worst = torch.tensor([comm_bytes, state], dtype=torch.float64, device=device)
+        if par.layout.world > 1:
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        r = {"loss": loss, "lr": lr, "grad_norm": grad_norm.item(), "tok_per_s": tok_s,
+             "step_time_s": dt * self.tokens_per_step / self.tokens, "peak_mem_mb": peak_memory_mb(device),
+             "comm_bytes": comm_bytes, "state_bytes": state, "comm_bytes_max": int(worst[0]),
+             "state_bytes_max": int(worst[1]),
+             **{f"comm_{dim}_{kind}": n for (dim, kind), n in sorted(comm_by_dim.items())}}
+        if device.startswith("cuda"):
+            r["peak_reserved_mb"] = peak_reserved_mb(device)
+        if par.pipeline:  # what one pipeline's stages send each other per step (each p2p byte counts at both ends)
+            sent = torch.tensor(comm_by_dim.get(("pp", "p2p"), 0) / 2, device=device)
+            dist.all_reduce(sent, group=par.mesh.get_group("pp"))
+            r["p2p_bytes_pipeline"] = int(sent.item())
+        if par.data.transient_bytes is not None:  # our FSDP: most bytes of gathered units held at once, ...
+            r["transient_bytes"] = par.data.transient_bytes
+        if self.peak:
+            r["mfu"] = self.flops_per_token * tok_s / (self.peak * par.layout.world)
+        self.restart()
+        return r
 
 
 def peak_memory_mb(device):

@@ -16,7 +16,6 @@ import gc
 import math
 import os
 import sys
-import time
 
 import hydra
 import torch
@@ -37,11 +36,11 @@ from data import prepare, shards
 from model import GPT
 from parallel import pp
 from parallel.comm import CommCounter
-from metrics import Metrics, peak_flops, peak_memory_mb, peak_reserved_mb, profiler
+from metrics import Meter, Metrics, mfu_peak, peak_memory_mb, profiler, start_record
 
 
 def check_config(cfg, run_dir, world):
-    """config.check's (device, dtype, grad_accum), and the checkpoint to resume from (or None)."""
+    """config.check's (layout, device, dtype, grad_accum), and the checkpoint to resume from (or None)."""
     resume = checkpoint.resume_from(cfg, run_dir)
     checked = config.check(cfg, world)
     if resume and cfg.parallel.impl == "deepspeed":  # saving works (parallel/zero_deepspeed.py); loading is not wired
@@ -105,26 +104,21 @@ def evaluate(par, val, t, autocast, rank, world):
         x, y = x.to(par.device), y.to(par.device)
         with autocast, par.loss_context():  # a pipeline's last stage holds the loss, the others zero
             total += (par.pipeline.evaluate(x, y) if par.pipeline else par.model(x, y)).float()
-    if world > 1:
-        # the tp ranks of a dp group hold the same loss, cp ranks the means of equal pieces (and the last stage of
-        # a pipeline alone holds it): the mean over all ranks that hold it is right
-        dist.all_reduce(total)
     par.data.reshard()  # a forward without backward may leave sharded parameters gathered
     par.model.train()
-    return total.item() / (t.eval_steps * world // par.dims["pp"])
+    return par.global_loss(total, t.eval_steps)  # the mean over the ranks that hold a loss
 
 
 def run(cfg, run_dir):
     # --- process group and mesh: torchrun sets RANK/WORLD_SIZE; plain `python train.py` is one process
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device, dtype, accum, resume = check_config(cfg, run_dir, world)
+    layout, device, dtype, accum, resume = check_config(cfg, run_dir, world)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if device == "cuda":  # before the process group: NCCL binds each rank to its own GPU
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
-    name = config.layout_name(cfg.parallel, world)
     owns_group, mesh = False, None
-    if world > 1 or name != "single":  # a one-rank FSDP still calls collectives (on itself)
+    if world > 1 or layout.strategy != "none":  # a one-rank FSDP still calls collectives (on itself)
         if not dist.is_initialized():  # a caller that runs several jobs in one process group keeps its own
             dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
                                     device_id=torch.device(device) if device.startswith("cuda") else None,
@@ -133,7 +127,7 @@ def run(cfg, run_dir):
         dist.barrier()  # every rank has checked the run dir before rank 0 writes into it
         if rank > 0 and owns_group:  # one console: the other ranks print to rank<k>.log in the run dir
             launch.log_to_file(run_dir, rank)
-        mesh = parallel.build_mesh(cfg.parallel, world, device.split(":")[0])
+        mesh = layout.build_mesh(device.split(":")[0])
     print0 = print if rank == 0 else (lambda *a, **k: None)
     t, o = cfg.train, cfg.optim
 
@@ -157,15 +151,13 @@ def run(cfg, run_dir):
     n_params, flops_per_token = model.num_params(), model.flops_per_token(t.seq_len)
     torch.manual_seed(t.seed)
     # tensor parallel -> activation checkpointing -> compile -> data parallel + optimizer (parallel/__init__.py)
-    p = config.resolved(cfg.parallel, dtype)  # param_dtype=auto made concrete: bf16 working weights under bf16
-    par = parallel.parallelize(model, p, mesh, lambda m: make_optimizer(m, o), device, t)
+    p = config.resolved(cfg.parallel, layout, dtype)  # param_dtype=auto made concrete: bf16 working weights
+    par = parallel.parallelize(model, layout, p, mesh, lambda m: make_optimizer(m, o), device, t)
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if dtype == "bfloat16" \
         else contextlib.nullcontext()
-    # MFU only against a peak someone stated: train.peak_tflops, or the datasheet's for a GPU we know by name
-    gpu = torch.cuda.get_device_name(device) if device.startswith("cuda") else None
-    peak = t.peak_tflops * 1e12 if t.peak_tflops else peak_flops(gpu) if gpu else None
-    if gpu and not peak:
-        print0(f"mfu: left out: no datasheet peak for {gpu!r} in metrics.py DEVICE_PEAKS; set train.peak_tflops")
+    peak, why = mfu_peak(t.peak_tflops, device)  # MFU only against a peak someone stated, or a datasheet's
+    if why:
+        print0(why)
 
     # --- resume: any strategy's checkpoint at any world size loads into this one (checkpoint.py)
     tokenizer_spec = prepare.tokenizer_spec(data_dir, meta)
@@ -177,8 +169,8 @@ def run(cfg, run_dir):
             raise checkpoint.CheckpointError(f"{resume} was trained with another tokenizer or vocab "
                                              f"({info['model']['vocab_size']} tokens) than data={cfg.data.source}'s")
         start, wandb_id = info["step"], info.get("wandb_id")
-        print0(f"resumed from {resume}: step {start}, written by parallel={info.get('parallel_layout') or info['parallel'].get('name')} on "
-               f"{info['world_size']} rank(s)")
+        written = info.get("layout", {}).get("parallel") or info.get("parallel_layout")  # (older checkpoints)
+        print0(f"resumed from {resume}: step {start}, written by parallel={written} on {info['world_size']} rank(s)")
         if start >= t.max_steps:
             print0(f"step {start} is already train.max_steps={t.max_steps}: nothing to train "
                    f"(raise train.max_steps to go on)")
@@ -189,27 +181,18 @@ def run(cfg, run_dir):
         OmegaConf.save(cfg, os.path.join(run_dir, conf), resolve=True)
 
     metrics = Metrics(cfg, run_dir, rank, wandb_id)
-    tokens_per_step = t.global_batch_size * t.seq_len
-    reduce_bytes = config.DTYPES[cfg.parallel.reduce_dtype].itemsize
-    metrics.log({"step": start, "n_params": n_params, "param_bytes": n_params * reduce_bytes, "world_size": world,
-                 **par.dims, **{k: config.degrees(cfg.parallel, world)[k] for k in ("dp_replicate", "dp_shard")},
-                 "flops_per_token": flops_per_token, "tokens_per_step": tokens_per_step,
-                 "grad_accum": accum, "device": device, "dtype": dtype, "parallel": name, "data": cfg.parallel.data,
-                 "impl": cfg.parallel.impl, "param_dtype": p.param_dtype,
-                 "fused": bool(par.data.local_optimizer.param_groups[0].get("fused")), "compile": t.compile,
-                 "mem_mb_before_model": mem_before_model})
+    metrics.log(start_record(start, cfg, par, n_params, flops_per_token, accum, dtype, mem_before_model))
     print0(f"model: {n_params / 1e6:.2f}M parameters, vocab {mcfg.vocab_size} (padded {mcfg.padded_vocab_size}) | "
            f"data: {len(train_tokens):,} train / {len(val_tokens):,} val tokens | {device} {dtype} | "
-           f"{world} rank(s) {name} ({' x '.join(f'{k}={v}' for k, v in par.dims.items())}), "
-           f"grad accumulation {accum} | run dir {run_dir}")
+           f"{world} rank(s) {layout.name} ({layout.describe()}), grad accumulation {accum} | run dir {run_dir}")
     if par.pipeline:
         print0(f"pipeline: {cfg.parallel.pp_schedule}, {accum} micro-batches per step | " +
-               "; ".join(pp.describe(mcfg.n_layer, par.dims["pp"], par.pipeline.v)))
+               "; ".join(pp.describe(mcfg.n_layer, layout.pp, par.pipeline.v)))
     if resume:
         metrics.log({"step": start, "resumed_from": resume})
     ckpt, last_checkpoint = cfg.checkpoint, resume
-    ckpt_info = {"world_size": world, **par.dims, "parallel": OmegaConf.to_container(p),
-                 "parallel_layout": name, "model": dataclasses.asdict(mcfg), "tokenizer_sha256": tokenizer_sha256,
+    ckpt_info = {"world_size": world, "layout": layout.record(), "parallel": OmegaConf.to_container(p),
+                 "model": dataclasses.asdict(mcfg), "tokenizer_sha256": tokenizer_sha256,
                  "wandb_id": metrics.id, "config": OmegaConf.to_container(cfg, resolve=True)}
     print0(f"checkpoints: every {ckpt.every} steps and at the last, in {os.path.join(run_dir, 'checkpoints')}"
            if ckpt.keep else "checkpoints: none (checkpoint.keep=0)")
@@ -226,7 +209,7 @@ def run(cfg, run_dir):
     bar = tqdm(range(start + 1, t.max_steps + 1), initial=start, total=t.max_steps, disable=rank != 0, desc="train",
                dynamic_ncols=True, file=sys.stdout,
                mininterval=0.1 if sys.stdout.isatty() else 30)  # a log file gets a line every 30 s, not thousands
-    t_last, tokens_since = time.time(), 0
+    meter = Meter(par, t.global_batch_size * t.seq_len, flops_per_token, peak)
     preemption, stop = checkpoint.Preemption(), False
     first_bad = torch.tensor(t.max_steps + 1, device=device)  # the first step whose loss or grad norm was not finite
     max_norm = o.grad_clip if o.grad_clip > 0 else math.inf
@@ -245,7 +228,7 @@ def run(cfg, run_dir):
             log_step = step % t.log_every == 0 or step == t.max_steps
             state = par.state_bytes() if log_step else None  # after the step, before zero_grad: all resident
             par.optimizer.zero_grad(set_to_none=True)
-            tokens_since += tokens_per_step
+            meter.stepped()
             finite = torch.isfinite(loss_sum) & torch.isfinite(grad_norm).to(device)
             first_bad = torch.where(finite | (first_bad < step), first_bad, step)
             if prof is not None:
@@ -257,38 +240,12 @@ def run(cfg, run_dir):
             if log_step or save or step % t.eval_every == 0:
                 checkpoint.check_finite(first_bad, step, last_checkpoint)
             if log_step:
-                if world > 1:
-                    dist.all_reduce(loss_sum)
-                if device.startswith("cuda"):
-                    torch.cuda.synchronize()
-                dt = time.time() - t_last
-                tok_s = tokens_since / dt
-                # rank 0's comm and state, and the largest over ranks (ZeroRedundancyOptimizer shards unevenly)
-                worst = torch.tensor([comm_bytes, state], dtype=torch.float64, device=device)
-                if world > 1:
-                    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-                record.update(loss=loss_sum.item() / (accum * world // par.dims["pp"]), lr=lr,
-                              grad_norm=grad_norm.item(),
-                              tok_per_s=tok_s, step_time_s=dt * tokens_per_step / tokens_since,
-                              peak_mem_mb=peak_memory_mb(device), comm_bytes=comm_bytes, state_bytes=state,
-                              comm_bytes_max=int(worst[0]), state_bytes_max=int(worst[1]),
-                              **{f"comm_{dim}_{kind}": n for (dim, kind), n in sorted(comm_by_dim.items())})
-                if device.startswith("cuda"):
-                    record["peak_reserved_mb"] = peak_reserved_mb(device)
-                if par.pipeline:  # what one pipeline's stages send each other per step (each p2p byte counts
-                    sent = torch.tensor(comm_by_dim.get(("pp", "p2p"), 0) / 2, device=device)  # at both ends)
-                    dist.all_reduce(sent, group=par.mesh.get_group("pp"))
-                    record["p2p_bytes_pipeline"] = int(sent.item())
-                if par.data.transient_bytes is not None:  # our FSDP: most bytes of gathered units held at once
-                    record["transient_bytes"] = par.data.transient_bytes
-                if peak:
-                    record["mfu"] = flops_per_token * tok_s / (peak * world)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
-                t_last, tokens_since = time.time(), 0
+                record.update(meter.record(loss_sum, grad_norm, accum, lr, comm_bytes, comm_by_dim, state))
+                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tok_per_s']:,.0f}", refresh=False)
             if step % t.eval_every == 0 or step == t.max_steps:
                 record["val_loss"] = evaluate(par, val_tokens, t, autocast, rank, world)
                 bar.write(f"step {step}: val loss {record['val_loss']:.4f}") if rank == 0 else None
-                t_last = time.time()  # evaluation time is not training throughput
+                meter.restart()  # evaluation time is not training throughput
             if len(record) > 1:
                 metrics.log(record)
             if save:  # every rank writes its own shard; no rank gathers the model
@@ -297,7 +254,7 @@ def run(cfg, run_dir):
                     files={"state.json": {**ckpt_info, "step": step, "preempted": stop,
                                           "data": {"seed": t.seed, "next_batch": step, "global_batch_size":
                                                    t.global_batch_size, "seq_len": t.seq_len,
-                                                   "tokens_seen": step * tokens_per_step}},
+                                                   "tokens_seen": step * t.global_batch_size * t.seq_len}},
                            "tokenizer.json": tokenizer_spec})
             if stop:
                 bar.write(f"SIGTERM: stopped after step {step}, checkpoint {last_checkpoint}") if rank == 0 else None

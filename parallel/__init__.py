@@ -1,10 +1,10 @@
 """Parallel strategies, applied to model.py's GPT from outside (model.py imports nothing from here).
 
-One device mesh, built once from the degrees in `parallel.*` (config.degrees): ("pp", "dp", "cp", "tp"), tensor
-parallel inside each group of `tp` neighbouring ranks (one node's GPUs, on NVLink), context parallel across cp such
-groups, data parallel across the rest, pipeline stages outermost (only activations cross between them); "dp" is
-built as ("dp_replicate", "dp_shard") (HSDP's replicas of FSDP shard groups; 1 x dp otherwise) and flattened back
-into "dp". Every strategy takes its process groups from it, by name.
+One device mesh, built once by the run's Layout (parallel/layout.py) from the degrees in `parallel.*`:
+("pp", "dp_replicate", "dp_shard", "cp", "tp"), tensor parallel inside each group of `tp` neighbouring ranks (one
+node's GPUs, on NVLink), context parallel across cp such groups, data parallel across the rest (HSDP's replicas of
+FSDP shard groups; 1 x dp otherwise, flattened into "dp"), pipeline stages outermost (only activations cross between
+them). Every strategy takes its process groups from it, by name.
 `parallelize` composes them in one fixed order (torchtitan's):
 
   0. pipeline stages              parallel/pp.py          over "pp", when pp > 1: this rank keeps its stages only
@@ -22,41 +22,38 @@ parallelize_module + loss_parallel), so each is checked and timed against a refe
 interface (parallel/strategy.py). parallel=single is plain one-process training, what tests/ compares every
 strategy with, numerically.
 """
-import contextlib
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-import config
-from parallel import comm, cp, ddp, fsdp, pp, tp, zero, zero_deepspeed
+from parallel import cp, ddp, fsdp, pp, tp, zero, zero_deepspeed
 from parallel.strategy import DataParallel, TensorParallel, clip_grad_norm, dp_mesh, materialize, state_bytes
 
-# parallel.data x parallel.impl -> the function that applies it over "dp" (and builds the optimizer)
+
+
+def _materialized(apply, **kw):
+    """A strategy that takes the model whole: materialize it on the device first (only our FSDP materializes one
+    shard at a time, itself)."""
+    def applied(model, mesh, p, make_optimizer, device, init_param):
+        materialize(model, init_param, device)
+        return apply(model, mesh, p, make_optimizer, **kw)
+    return applied
+
+
+# (layout.strategy, layout.impl) -> the function that applies it over "dp" and builds the optimizer:
+# f(model, data mesh, parallel settings, make_optimizer, device, init_param)
 DATA_PARALLEL = {
-    ("ddp", "scratch"): ddp.apply_ddp, ("ddp", "torch"): ddp.apply_torch_ddp,
-    ("zero1", "scratch"): lambda *a: zero.apply_zero(*a, stage=1), ("zero1", "torch"): zero.apply_torch_zero1,
-    ("zero2", "scratch"): lambda *a: zero.apply_zero(*a, stage=2), ("zero2", "torch"): zero.apply_torch_zero2,
-    ("fsdp", "torch"): fsdp.apply_torch_fsdp,
+    ("ddp", "scratch"): _materialized(ddp.apply_ddp), ("ddp", "torch"): _materialized(ddp.apply_torch_ddp),
+    ("zero1", "scratch"): _materialized(zero.apply_zero, stage=1),
+    ("zero1", "torch"): _materialized(zero.apply_torch_zero1),
+    ("zero2", "scratch"): _materialized(zero.apply_zero, stage=2),
+    ("zero2", "torch"): _materialized(zero.apply_torch_zero2),
+    ("fsdp", "scratch"): fsdp.apply_fsdp, ("fsdp", "torch"): _materialized(fsdp.apply_torch_fsdp),
     # DeepSpeed's ZeRO stages 1, 2 and 3 (parallel/zero_deepspeed.py)
-    ("zero1", "deepspeed"): lambda *a: zero_deepspeed.apply_deepspeed(*a, stage=1),
-    ("zero2", "deepspeed"): lambda *a: zero_deepspeed.apply_deepspeed(*a, stage=2),
-    ("fsdp", "deepspeed"): lambda *a: zero_deepspeed.apply_deepspeed(*a, stage=3),
+    **{(data, "deepspeed"): _materialized(zero_deepspeed.apply_deepspeed, stage=stage)
+       for data, stage in (("zero1", 1), ("zero2", 2), ("fsdp", 3))},
 }
-
-
-def build_mesh(p, world, device_type):
-    """The device mesh for `world` ranks over config.DIMS, each split as config.SPLIT says: "dp" is
-    ("dp_replicate", "dp_shard") (HSDP; a factor of 1 is absent), flattened back into "dp", the one group of every
-    data-parallel rank that the data loader and the other strategies see (strategy.dp_mesh). Its groups are named
-    for the communication counter; a flattened dimension last, so that it names a group the same ranks share."""
-    from torch.distributed.device_mesh import init_device_mesh
-    d = config.degrees(p, world)
-    names = tuple(n for k in config.DIMS for n in config.SPLIT.get(k, (k,)))
-    mesh = init_device_mesh(device_type, tuple(d[n] for n in names), mesh_dim_names=names)
-    for k, parts in config.SPLIT.items():
-        mesh[parts]._flatten(k)
-    comm.name_groups({mesh.get_group(k): k for k in (*names, *config.SPLIT)})
-    return mesh
 
 
 @dataclass
@@ -68,10 +65,23 @@ class Parallelized:
     data: DataParallel
     tp: TensorParallel
     mesh: object  # None for one process without a process group
-    dims: dict  # {"pp": n, "dp": n, "cp": n, "tp": n}
+    layout: object  # parallel/layout.py's Layout: the degrees, the data strategy, the implementation
     device: str
     dp_rank: int = 0  # this rank's coordinate on "dp": which slice of the global batch it takes
     pipeline: object = None  # parallel/pp.py's Pipeline of this rank's stages, when pp > 1
+    param_dtype: str = "float32"  # the working weights' dtype, parallel.param_dtype resolved
+
+    @property
+    def dims(self):
+        return self.layout.dims
+
+    def global_loss(self, loss_sum, accum):
+        """The step's mean loss over the global batch, from each rank's summed micro-batch losses (on every rank):
+        summed over all ranks, each tp and cp rank of a replica holding its replica's loss and each pipeline's loss
+        held by its last stage alone, so divided by the accum x (world / pp) micro-batch losses in that sum."""
+        if self.mesh is not None:
+            dist.all_reduce(loss_sum)
+        return loss_sum.item() / (accum * self.layout.stage_world)
 
     def no_sync(self):
         return self.data.no_sync()
@@ -89,17 +99,18 @@ class Parallelized:
         return state_bytes(self.data)
 
 
-def parallelize(model, p, mesh, make_optimizer, device, train):
-    """Apply the strategies to `model` (a GPT on the meta device), in the order above; returns Parallelized.
-    The global RNG must be seeded: every layout draws the same initial weights as parallel=single."""
-    dims = {k: mesh.get_group(k).size() for k in config.DIMS} if mesh is not None else {k: 1 for k in config.DIMS}
+def parallelize(model, layout, p, mesh, make_optimizer, device, train):
+    """Apply the strategies of `layout` (parallel/layout.py; `p` the parallel settings, their knobs) to `model` (a GPT
+    on the meta device), in the order above; returns Parallelized. The global RNG must be seeded: every layout draws
+    the same initial weights as parallel=single."""
+    dims = layout.dims
     dp_rank = dp_mesh(mesh).get_local_rank() if mesh is not None else 0
     # 0. pipeline: keep this rank's stages only (still on the meta device), with single's names
     pipeline = pp.split(model, mesh, p, device) if dims["pp"] > 1 else None
     # 1. tensor parallel: ours shards the meta model in place; torch's materializes it whole and distributes it
     par_tp = TensorParallel()
     if dims["tp"] > 1:
-        par_tp = tp.apply_tp(model, mesh, p) if p.impl == "scratch" else tp.apply_torch_tp(model, mesh, p, device)
+        par_tp = tp.apply_tp(model, mesh, p) if layout.impl == "scratch" else tp.apply_torch_tp(model, mesh, p, device)
     # 2. context parallel: each sequence split over cp, attention by ring or all-gather
     data_mesh = mesh
     if dims["cp"] > 1:
@@ -114,17 +125,15 @@ def parallelize(model, p, mesh, make_optimizer, device, train):
     init_param = par_tp.init_param or model.init_param
     if pipeline is not None:  # each parameter drawn where single's RNG stream has it
         init_param = pipeline.init_param(init_param)
-    one_replica = p.data == "none" or (dims["dp"] * dims["cp"] == 1 and p.data != "fsdp")
-    if p.data == "fsdp" and p.impl == "scratch":
-        data = fsdp.apply_fsdp(model, data_mesh, p, make_optimizer, device, init_param)
-    else:
+    if layout.strategy == "none":  # one replica: nothing to reduce
         materialize(model, init_param, device)
-        data = DataParallel(model, make_optimizer) if one_replica else \
-            DATA_PARALLEL[p.data, p.impl](model, data_mesh, p, make_optimizer)
+        data = DataParallel(model, make_optimizer)
+    else:
+        data = DATA_PARALLEL[layout.strategy, layout.impl](model, data_mesh, p, make_optimizer, device, init_param)
     if pipeline is not None:  # the schedule calls the stages through the data strategy's wrapper and hooks
         pipeline.call, pipeline.no_sync, pipeline.reduce_grads = data.model, data.no_sync, data.reduce_grads
-    return Parallelized(data.model, data.module, data.optimizer, data, par_tp, mesh, dims, device, dp_rank,
-                        pipeline)
+    return Parallelized(data.model, data.module, data.optimizer, data, par_tp, mesh, layout, device, dp_rank,
+                        pipeline, p.param_dtype)
 
 
 def apply_activation_checkpointing(model, mode, every=1):

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from config import DTYPES
+from parallel.layout import DTYPES
 from parallel import buckets
 from parallel.strategy import DataParallel, dp_mesh
 

@@ -27,7 +27,7 @@ backward instead of overlapping the last one, which no single backward could sta
 The torch twin (parallel.impl=torch, `Pipeline.torch_step`): torch.distributed.pipelining's PipelineStage over the
 same chunks, with ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble. Beside a
 data strategy over dp, the stage's module is the strategy's wrapper (torch's DDP, FSDP2), which torch's schedules
-sync themselves; on gloo that runs for 1f1b (and gpipe under FSDP2), one chunk per rank (config.check_pipeline).
+sync themselves; on gloo that runs for 1f1b (and gpipe under FSDP2), one chunk per rank (Layout.problem).
 
 Every rank builds only its stages' parameters from the meta device, with parallel=single's values: `split` first
 walks the whole model once, drawing each parameter into a scratch tensor and noting the RNG state before it, so

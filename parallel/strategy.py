@@ -91,7 +91,7 @@ class TensorParallel:
 
 
 def dp_mesh(mesh):
-    """The mesh of all data-parallel ranks, one dimension: parallel.build_mesh's ("dp_replicate", "dp_shard")
+    """The mesh of all data-parallel ranks, one dimension: Layout.build_mesh's ("dp_replicate", "dp_shard")
     flattened (flattening again returns that one; slicing "dp" off the root mesh works too, but torch deprecates
     it)."""
     return mesh["dp_replicate", "dp_shard"]._flatten("dp")

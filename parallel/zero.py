@@ -46,7 +46,7 @@ loads under any layout.
 import torch
 import torch.distributed as dist
 
-from config import DTYPES
+from parallel.layout import DTYPES
 from parallel import buckets
 from parallel.ddp import Replicated, torch_ddp
 from parallel.fsdp import apply_torch_fsdp

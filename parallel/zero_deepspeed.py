@@ -41,7 +41,6 @@ import types
 import torch
 import torch.distributed as dist
 
-from config import ConfigError
 from parallel.strategy import DataParallel
 
 INSTALL = "pip install deepspeed==0.19.8"
@@ -54,6 +53,7 @@ def import_deepspeed(device_type):
         import deepspeed
         import deepspeed.ops
     except ImportError as e:
+        from config import ConfigError  # (config imports parallel/: late)
         raise ConfigError(f"parallel.impl=deepspeed needs DeepSpeed ({e}); install it: {INSTALL}") from None
     # the probe of every op builder runs compilers; we need only one answer, and "no" to it
     deepspeed.ops.__dict__.setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False

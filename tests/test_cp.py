@@ -166,7 +166,7 @@ def _torch_cp_worker():
 
 
 def test_torch_twin_is_gpu_only():
-    """What config.check_cp says of parallel.impl=torch: torch's context parallel shards only the CUDA attention
+    """What Layout.problem says of parallel.impl=torch: torch's context parallel shards only the CUDA attention
     kernels, and on a CPU fails with this error. (Where a torch release makes it run here, this goes red: wire it.)"""
     forked(2, _torch_cp_worker)
 

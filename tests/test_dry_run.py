@@ -34,7 +34,7 @@ def layout(strategy, world):
 def dry(*overrides, rank=3):
     """One dry run in this process: (what it measured, the planner's prediction)."""
     cfg = make_cfg(*overrides, f"dry_run.rank={rank}")
-    device, dtype, accum, compute, predicted = dry_run.check(cfg)
+    _, device, dtype, accum, compute, predicted = dry_run.check(cfg)
     m = dry_run.measure(cfg, rank, cfg.dry_run.world, compute, device, dtype, accum, cfg.dry_run.steps)
     print(f"\n{' '.join(overrides)}: {compute} tensors, accumulation {accum}\n" +
           "\n".join(f"  {w:32s} {a / 1e9:10.4f} GB {b / 1e9:10.4f} GB {dry_run.ratio(a, b)}"

@@ -18,6 +18,7 @@ import train
 from conftest import ROOT, SHARED, forked, make_cfg, read_metrics, small_corpus, small_run
 from model import GPT, GPTConfig
 from parallel import pp
+from parallel.layout import Layout, LayoutError
 from tools import cp_memory, plan
 
 # 4 heads so that tensor parallelism can split them 4 ways; global 8 in micro-batches of 2: accumulation 4, 2, 1 at
@@ -36,10 +37,11 @@ def measured_layouts():
         cfg = make_cfg(*small_run(*SHORT, f"parallel={strategy}"))
         model, t = config.model_config(cfg, 512), cfg.train
         for world in (1, 2, 4):
-            dp = config.degrees(cfg.parallel, world)["dp"]
-            if config.check_parallel(cfg.parallel, world, model, t.seq_len) is None and \
-                    config.check_pipeline(cfg.parallel, world, model, t.global_batch_size // (t.micro_batch_size * dp)) \
-                    is None:
+            try:
+                layout = Layout.from_config(cfg.parallel, world)
+            except LayoutError:
+                continue
+            if layout.problem(cfg.parallel, model, t.seq_len, t.global_batch_size, t.micro_batch_size) is None:
                 yield strategy, world
 
 
@@ -434,9 +436,10 @@ def test_gpu_bench_names_missing_packages(tmp_path, monkeypatch):
 def test_peak_flops_by_exact_name(tmp_path):
     """An H100 PCIe is not an H100 SXM: exact names from torch.cuda.get_device_name, unknown ones None (MFU is then
     left out unless train.peak_tflops states the peak, which also gives a CPU run its MFU)."""
-    assert plan.peak_flops("NVIDIA H100 80GB HBM3") == 989e12 and plan.peak_flops("NVIDIA H100 PCIe") == 756e12
-    assert plan.peak_flops("NVIDIA H200") == 989e12 and plan.peak_flops("NVIDIA A100-SXM4-40GB") == 312e12
-    assert plan.peak_flops("NVIDIA H100 PCIe 2") is None and plan.peak_flops("NVIDIA GeForce RTX 4090") is None
+    from metrics import peak_flops
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12 and peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops("NVIDIA H200") == 989e12 and peak_flops("NVIDIA A100-SXM4-40GB") == 312e12
+    assert peak_flops("NVIDIA H100 PCIe 2") is None and peak_flops("NVIDIA GeForce RTX 4090") is None
     run_dir = str(tmp_path / "run")
     train.run(make_cfg(*small_run("train.max_steps=2", "train.peak_tflops=0.5")), run_dir)
     first, *records = read_metrics(run_dir)

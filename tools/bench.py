@@ -44,7 +44,7 @@ PP_JOBS = [("single", None, PP_MODEL)] + [("pp", i, [*PP_MODEL, "parallel.data=n
                                           for s in PP_SCHEDULES for i in ("scratch", "torch")]
 # context parallel at one long sequence (--strategies ...,cp): ring and all-gather attention over cp = world, and DDP
 # over the same ranks at that sequence (each rank whole sequences) as their baseline. torch's context_parallel is
-# GPU-only (config.check_cp): no twin row on CPU
+# GPU-only (Layout.problem): no twin row on CPU
 CP_RUN = ["model.block_size=2048", "train.seq_len=2048", "train.global_batch_size=4", "train.micro_batch_size=1",
           "train.max_steps=8", "train.log_every=2"]
 CP_ROWS = [("ddp (whole sequences)", "ddp", []), ("ring", "cp", ["parallel.cp_method=ring"]),

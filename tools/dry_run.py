@@ -36,8 +36,8 @@ What runs under the fake backend (checked by tests/test_dry_run.py):
 - pipeline parallel (ours, beside our DDP or FSDP over dp): the fake group's send and receive return at once, as
   its collectives do, so a stage steps through its schedule on empty activations; the planner's numbers are those
   of the pp rank played (dry_run.rank // (world / pp)). torch.distributed.pipelining runs without a data strategy
-  here (config.check_pipeline), so its row is one line saying so.
-- not torch's context_parallel: it is GPU-only (config.check_cp), here as in a real run.
+  here (Layout.problem), so its row is one line saying so.
+- not torch's context_parallel: it is GPU-only (Layout.problem), here as in a real run.
 """
 import contextlib
 import os
@@ -55,6 +55,7 @@ from config import ConfigError
 from data import prepare
 from model import GPT
 from parallel.comm import CommCounter
+from parallel.layout import Layout
 from parallel.strategy import dp_mesh
 from tools import plan
 
@@ -74,15 +75,15 @@ def machine_memory_gb():
 
 
 def check(cfg, under_torchrun=False):
-    """Everything a dry run can know wrong before it starts; returns (device, dtype, grad_accum, compute, the
-    planner's prediction). Raises ConfigError with one line."""
+    """Everything a dry run can know wrong before it starts; returns (the Layout, device, dtype, grad_accum, compute,
+    the planner's prediction). Raises ConfigError with one line."""
     config.validate(cfg)
     d = cfg.dry_run
     problem = config.check_dry_run(d, cfg.launcher, under_torchrun)
     if problem:
         raise ConfigError(problem)
     try:  # the training config's own rules, for this world: degrees that divide it, heads, batch, ...
-        device, dtype, accum = config.check(cfg, d.world)
+        layout, device, dtype, accum = config.check(cfg, d.world)
     except ConfigError as e:
         raise ConfigError(f"dry_run.world={d.world}: {e}") from None
     predicted = predict(cfg, dtype)
@@ -103,7 +104,7 @@ def check(cfg, under_torchrun=False):
         raise ConfigError(f"dry_run.compute=real: rank {d.rank}'s state, transient and activations need "
                           f"{need:.1f} GB (tools/plan.py), over dry_run.memory_gb={d.memory_gb:g}; use "
                           f"dry_run.compute=fake (or auto), a larger dry_run.world, or a smaller model or micro-batch")
-    return device, dtype, accum, compute, predicted
+    return layout, device, dtype, accum, compute, predicted
 
 
 def predict(cfg, dtype):
@@ -203,18 +204,20 @@ def measure(cfg, rank, world, compute, device, dtype, accum, steps, on_step=None
     mcfg = config.model_config(cfg, prepare.vocab_size(cfg.data))
     with fake_process_group(rank, world):
         start = time.time()
-        mesh = parallel.build_mesh(cfg.parallel, world, device.split(":")[0])
+        layout = Layout.from_config(cfg.parallel, world)
+        mesh = layout.build_mesh(device.split(":")[0])
         with compute_mode(compute):
             with torch.device("meta"):
                 model = GPT(mcfg)
             n_params = model.num_params()
             torch.manual_seed(t.seed)
-            p = config.resolved(cfg.parallel, dtype)  # param_dtype=auto made concrete, as train.py does
-            par = parallel.parallelize(model, p, mesh, lambda m: train.make_optimizer(m, cfg.optim), device, t)
+            p = config.resolved(cfg.parallel, layout, dtype)  # param_dtype=auto made concrete, as train.py does
+            par = parallel.parallelize(model, layout, p, mesh, lambda m: train.make_optimizer(m, cfg.optim), device,
+                                       t)
             saved = SavedBytes(par.module)
             info = {"n_params": n_params, "world_size": world, "rank": rank, "dims": dict(par.dims),
                     "param_bytes": n_params * config.DTYPES[cfg.parallel.reduce_dtype].itemsize,
-                    "compute": compute, "build_s": time.time() - start, "layout": config.layout_name(cfg.parallel, world)}
+                    "compute": compute, "build_s": time.time() - start, "layout": layout.name}
             autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if dtype == "bfloat16" \
                 else contextlib.nullcontext()
             max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
@@ -277,7 +280,7 @@ def run(cfg, run_dir, under_torchrun=False):
     """train.py's entry for `dry_run.world=N`: check, measure, write config.yaml and metrics.jsonl, print the report."""
     from omegaconf import OmegaConf
     from metrics import Metrics
-    device, dtype, accum, compute, predicted = check(cfg, under_torchrun)
+    layout, device, dtype, accum, compute, predicted = check(cfg, under_torchrun)
     if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
         raise ConfigError(f"{run_dir} already holds a run; a dry run writes into a fresh run dir")
     d = cfg.dry_run
@@ -290,8 +293,7 @@ def run(cfg, run_dir, under_torchrun=False):
           f"{d.steps} step(s), gradient accumulation {accum}")
 
     first = {"step": 0, "dry_run": True, "compute": compute, "rank": d.rank, "world_size": d.world,
-             "parallel": config.layout_name(cfg.parallel, d.world), "data": cfg.parallel.data,
-             "impl": cfg.parallel.impl, "grad_accum": accum, "device": device, "dtype": dtype,
+             **layout.record(), "grad_accum": accum, "device": device, "dtype": dtype,
              "predicted_state_bytes": predicted["state"], "predicted_comm_bytes": predicted["comm_total"]}
 
     def log(step, out):
@@ -333,7 +335,7 @@ def layouts(impls=("scratch", "torch")):
 
 def table(overrides, impls=("scratch", "torch"), steps=1, only=None):
     """Markdown: per-rank state, peak model state and communication per step, measured and predicted; `only`: the
-    layout names (config.layout_name: hsdp, fsdp_cp, ...) whose rows to run, every row where None."""
+    layout names (Layout.name: hsdp, fsdp_cp, ...) whose rows to run, every row where None."""
     head = ("| parallel | impl | dp x tp | tensors | state GB | planner | ratio | peak model state GB | planner | "
             "ratio | comm GB/step | planner | ratio |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -341,13 +343,13 @@ def table(overrides, impls=("scratch", "torch"), steps=1, only=None):
     for name, impl, extra in layouts(impls):
         cfg = plan.compose([*TABLE, *overrides, f"parallel={name}", f"parallel.impl={impl}", *extra],
                            config_name="config")
-        layout = config.layout_name(cfg.parallel, cfg.dry_run.world)
-        if only is not None and layout not in only:
+        name = Layout.from_config(cfg.parallel, cfg.dry_run.world).name
+        if only is not None and name not in only:
             continue
         try:
-            device, dtype, accum, compute, predicted = check(cfg)
+            layout, device, dtype, accum, compute, predicted = check(cfg)
         except ConfigError as e:  # torch's DDP twins: they don't run under the fake process group
-            skipped.append(f"{layout} {impl}: {e}")
+            skipped.append(f"{name} {impl}: {e}")
             continue
         m = measure(cfg, cfg.dry_run.rank, cfg.dry_run.world, compute, device, dtype, accum, steps)
         ppeak = predicted["state"] + predicted["memory"]["transient"]
@@ -356,9 +358,8 @@ def table(overrides, impls=("scratch", "torch"), steps=1, only=None):
         else:
             peak = m["state_bytes"] + m["transient_bytes"]
             peak = f"{peak / GB:.2f} | {ppeak / GB:.2f} | {ratio(peak, ppeak)}"
-        d = config.degrees(cfg.parallel, cfg.dry_run.world)  # the layout's name, with cp's and HSDP's split
-        label = m["layout"] + (f" (cp={d['cp']}, {cfg.parallel.cp_method})" if d["cp"] > 1 else "") + \
-            (f" ({d['dp_replicate']} x {d['dp_shard']})" if d["dp_replicate"] > 1 else "")
+        label = name + (f" (cp={layout.cp}, {cfg.parallel.cp_method})" if layout.cp > 1 else "") + \
+            (f" ({layout.dp_replicate} x {layout.dp_shard})" if layout.dp_replicate > 1 else "")
         lines.append(f"| {label} | {impl} | {m['dims']['dp']} x {m['dims']['tp']} | {compute} | "
                      f"{m['state_bytes'] / GB:.2f} | {predicted['state'] / GB:.2f} | "
                      f"{ratio(m['state_bytes'], predicted['state'])} | {peak} | "

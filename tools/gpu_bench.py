@@ -39,7 +39,8 @@ import time
 
 import torch
 
-from tools import bench, plan
+from metrics import peak_flops
+from tools import bench
 
 ROOT = bench.ROOT
 # Micro-batch per model, sequences of 1024 (= the global batch: no accumulation). The planner (python -m tools.plan
@@ -225,7 +226,7 @@ def main(argv=None):
     else:
         dtype, models, modes, train = torch.bfloat16, MODELS, MODES, STEPS
         measured = matmul_flops(device, dtype)
-    peak = plan.peak_flops(name)  # None on a CPU or an unlisted GPU
+    peak = peak_flops(name)  # None on a CPU or an unlisted GPU
     print(f"{name}: {str(dtype)[6:]} matmul {measured / 1e12:.1f} TFLOP/s measured"
           + (f", {peak / 1e12:.0f} datasheet" if peak else ""), flush=True)
 

@@ -49,7 +49,7 @@ from collections import Counter
 import torch
 
 import config
-from metrics import peak_flops
+from parallel.layout import Layout, LayoutError
 from data import prepare
 from model import GPT, GPTConfig
 
@@ -529,7 +529,7 @@ def pp_predict(cfg, world, strategy, tp, ac, shape, plan, cp, pp):
 
 # --- one layout, all of it
 def tp_degree(p, world):
-    return config.degrees(p, world)["tp"]
+    return Layout.from_config(p, world).degrees["tp"]
 
 
 def shard_degree(cfg, world, strategy, tp, plan=None):
@@ -537,8 +537,8 @@ def shard_degree(cfg, world, strategy, tp, plan=None):
     configured one when the configured layout is hsdp, else (a ranked candidate) one node's GPUs."""
     if strategy != "hsdp":
         return world // tp
-    if config.layout_name(cfg.parallel, world) == "hsdp":
-        return config.degrees(cfg.parallel, world)["dp_shard"]
+    if Layout.from_config(cfg.parallel, world).name == "hsdp":
+        return Layout.from_config(cfg.parallel, world).degrees["dp_shard"]
     return plan.gpus_per_node // tp if plan is not None else world // tp
 
 
@@ -548,8 +548,8 @@ def predict(cfg, world, strategy=None, tp=None, ac=None, shape=None, plan=None, 
     too. `strategy` is the layout's name (config.layout_name): fsdp_cp with cp > 1, fsdp with cp = 1, pp_fsdp with
     pp > 1. Under pipeline parallelism: pp_predict."""
     shape = shape or model_shape(cfg)
-    degrees = config.degrees(cfg.parallel, world)
-    strategy = strategy or config.layout_name(cfg.parallel, world)
+    degrees = Layout.from_config(cfg.parallel, world).degrees
+    strategy = strategy or Layout.from_config(cfg.parallel, world).name
     tp = tp or tp_degree(cfg.parallel, world)
     cp = cp or degrees["cp"]
     ac = ac or cfg.train.activation_checkpointing
@@ -568,7 +568,7 @@ def _predict(cfg, world, strategy, tp, ac, shape, plan, cp):
     method = knobs["cp_method"]
     t = cfg.train
     # auto: bf16 working weights where the strategy keeps a working copy and the run computes in bf16 (config.py)
-    knobs["param_dtype"] = config.working_dtype(knobs["param_dtype"], DATA[data], cfg.parallel.impl,
+    knobs["param_dtype"] = Layout(1, data=DATA[data], impl=cfg.parallel.impl).working_dtype(knobs["param_dtype"],
                                                 "float32" if t.dtype == "float32" else "bfloat16")
     dp = world // (tp * cp)
     n = dp * cp  # the ranks gradients are reduced over
@@ -865,14 +865,18 @@ def main(argv):
             config.validate(cfg)
         except config.ConfigError as e:
             problem = str(e)
+    if not problem:  # the rules train.py applies
+        try:
+            layout = Layout.from_config(cfg.parallel, cfg.plan.world)
+        except LayoutError as e:
+            problem = str(e)
     if not problem:
-        problem = config.check_parallel(cfg.parallel, cfg.plan.world,
-                                        config.model_config(cfg, prepare.vocab_size(cfg.data)), cfg.train.seq_len,
-                                        dtype="float32" if cfg.train.dtype == "float32" else "bfloat16")
+        t = cfg.train
+        problem = layout.problem(cfg.parallel, config.model_config(cfg, prepare.vocab_size(cfg.data)), t.seq_len,
+                                 t.global_batch_size, t.micro_batch_size, t.compile,
+                                 "float32" if t.dtype == "float32" else "bfloat16")
     if not problem:
-        d = config.degrees(cfg.parallel, cfg.plan.world)
-        problem = layout_problem(cfg, shape, cfg.plan.world, config.layout_name(cfg.parallel, cfg.plan.world),
-                                 d["tp"], cfg.plan, d["cp"], d["pp"])
+        problem = layout_problem(cfg, shape, cfg.plan.world, layout.name, layout.tp, cfg.plan, layout.cp, layout.pp)
     if problem:
         sys.exit(f"error: {problem}")
     print(report(cfg, shape))
