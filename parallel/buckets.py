@@ -9,7 +9,7 @@ Communicating one bucket of ~25 MB instead of each tensor amortizes each collect
 "PyTorch Distributed", sec. 3.2.3).
 """
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -19,8 +19,9 @@ class Bucket:
     params: list
     offsets: list  # where each parameter starts in the bucket's flat buffer
     numel: int  # padded to a multiple of `pad`, so the buffer splits evenly across ranks
-    ready: int = 0
-    state: dict = field(default_factory=dict)  # the strategy's own: buffers, pending work
+    ready: int = 0  # how many of its parameters' gradients this backward has accumulated (ReadyHooks counts)
+    # the strategy's own, set when it wraps the model: ddp.BucketState, zero.BucketState or fsdp.UnitState
+    state: object = None
 
 
 def pack(params, bucket_mb, pad=1):

@@ -15,6 +15,8 @@ How (Li et al., 2020, "PyTorch Distributed: Experiences on Accelerating Data Par
   when backward ends, every handle is waited on.
 - `no_sync()`: non-final micro-steps of gradient accumulation communicate nothing; gradients keep summing in place.
 """
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -22,6 +24,17 @@ import torch.nn as nn
 from parallel.layout import DTYPES
 from parallel import buckets
 from parallel.strategy import DataParallel, dp_mesh
+
+
+@dataclass(eq=False)
+class BucketState:
+    """What DDP keeps per bucket (bucket.state)."""
+    # the flat gradients, each parameter's .grad a view into them: made at wrap time, kept for good
+    grad: torch.Tensor
+    # what is all-reduced, grad itself or its reduce_dtype copy: set when the bucket is ready, cleared in _wait
+    comm: torch.Tensor | None = None
+    # that all-reduce's handle: set when the bucket is ready, cleared in _wait once waited on
+    work: dist.Work | None = None
 
 
 class DDP(nn.Module):
@@ -36,9 +49,9 @@ class DDP(nn.Module):
         self.buckets = buckets.pack(params, bucket_mb)
         self.views = {}
         for b in self.buckets:
-            b.state["grad"] = torch.zeros(b.numel, dtype=params[0].dtype, device=params[0].device)
+            b.state = BucketState(torch.zeros(b.numel, dtype=params[0].dtype, device=params[0].device))
             for p, o in zip(b.params, b.offsets):
-                self.views[p] = b.state["grad"][o: o + p.numel()].view_as(p)
+                self.views[p] = b.state.grad[o: o + p.numel()].view_as(p)
                 p.grad = self.views[p]
         self.hooks = buckets.ReadyHooks(self.buckets, self._all_reduce, self._wait)
 
@@ -58,18 +71,19 @@ class DDP(nn.Module):
         self.hooks.reduce_all()
 
     def _all_reduce(self, b):
-        grad = b.state["grad"]
+        grad = b.state.grad
         comm = grad if self.reduce_dtype == grad.dtype else grad.to(self.reduce_dtype)
         comm.div_(self.world)  # gloo has no AVG; dividing first keeps the sum in range for low precision too
-        b.state["work"] = dist.all_reduce(comm, group=self.group, async_op=True)
-        b.state["comm"] = comm
+        b.state.work = dist.all_reduce(comm, group=self.group, async_op=True)
+        b.state.comm = comm
 
     def _wait(self):
         for b in self.buckets:
-            b.state.pop("work").wait()
-            comm = b.state.pop("comm")
-            if comm is not b.state["grad"]:
-                b.state["grad"].copy_(comm)
+            s = b.state
+            s.work.wait()
+            comm, s.work, s.comm = s.comm, None, None
+            if comm is not s.grad:
+                s.grad.copy_(comm)
 
 
 class Replicated(DataParallel):

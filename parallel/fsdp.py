@@ -40,6 +40,7 @@ sees the refilled values (the trick torch's first FSDP used).
             ever holds more than one full parameter besides its shards.
 """
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,29 @@ def units_of(model, blocks_per_unit):
     for i in range(0, len(blocks), blocks_per_unit):
         groups.append((f"blocks.{i}-{min(i + blocks_per_unit, len(blocks)) - 1}", blocks[i: i + blocks_per_unit]))
     return groups + ([("head", [model.norm, model.head])] if model.head is not None else [])
+
+
+@dataclass(eq=False)
+class UnitState:
+    """What FSDP keeps per unit (unit.state): made at wrap time; the last three change as it is gathered and freed."""
+    # the unit's name: wte, blocks.i-j or head
+    name: str
+    # its modules in forward order: a pre-hook on the first gathers the unit, a hook on the last frees it again
+    modules: list
+    # this rank's fp32 master shard, slice [lo, hi) of the unit's flat space (on the CPU under cpu_offload)
+    master: torch.Tensor
+    lo: int
+    hi: int
+    # the full parameters in param_dtype, each a view into it; its storage is resized to 0 while the unit is freed
+    gathered: torch.Tensor
+    # this rank's fp32 gradient shard, which every backward's reduced slice is added into; zeroed by zero_grad
+    grad_shard: torch.Tensor
+    # gathered holds the full parameters: set once its all-gather is waited on, cleared by _free
+    is_gathered: bool = True
+    # (work, src) of the all-gather in flight, src kept alive until it lands: set in _gather, cleared once waited on
+    gather: tuple | None = None
+    # the flat local gradient sum in reduce_dtype: set at its first backward of a step, cleared when reduce-scattered
+    acc: torch.Tensor | None = None
 
 
 class FSDP(Sharded):
@@ -111,10 +135,9 @@ class FSDP(Sharded):
             for (mod, k, p), o in zip(owned, u.offsets):
                 setattr(mod, k, nn.Parameter(gathered[o: o + p.numel()].view(p.shape), p.requires_grad))
                 u.params.append(getattr(mod, k))
-            u.state.update(name=name, modules=modules, master=master, lo=lo, hi=hi, gathered=gathered,
-                           grad_shard=torch.zeros(shard, dtype=torch.float32, device=self.shard_device,
-                                                  pin_memory=pin), is_gathered=True)
-            owned_segments(u.params, u.offsets, lo, hi, master, u.state["grad_shard"], segments)
+            u.state = UnitState(name, modules, master, lo, hi, gathered,
+                                torch.zeros(shard, dtype=torch.float32, device=self.shard_device, pin_memory=pin))
+            owned_segments(u.params, u.offsets, lo, hi, master, u.state.grad_shard, segments)
             self._free(u)
             self.units.append(u)
         if on_meta:  # buffers (RoPE tables) are small: materialize and fill them whole
@@ -124,35 +147,39 @@ class FSDP(Sharded):
         self.local_optimizer = sharded_optimizer(template, segments)
         self.param_groups, self.state = self.local_optimizer.param_groups, self.local_optimizer.state
         for i, u in enumerate(self.units):
-            u.state["modules"][0].register_forward_pre_hook(lambda m, args, i=i: self._pre_forward(i))
-            u.state["modules"][-1].register_forward_hook(lambda m, args, out, i=i: self._post_forward(i, out))
+            u.state.modules[0].register_forward_pre_hook(lambda m, args, i=i: self._pre_forward(i))
+            u.state.modules[-1].register_forward_hook(lambda m, args, out, i=i: self._post_forward(i, out))
         self.hooks = buckets.ReadyHooks(self.units, self._reduce_scatter, self._end_of_backward, always=True)
 
     # --- gathering and freeing a unit's full parameters
     def _gather(self, u, wait=True):
-        if not u.state["is_gathered"] and "gather" not in u.state:
-            u.state["gathered"].untyped_storage().resize_(u.numel * u.state["gathered"].element_size())
+        s = u.state
+        if not s.is_gathered and s.gather is None:
+            s.gathered.untyped_storage().resize_(u.numel * s.gathered.element_size())
             # a copy unless fp32 and on the device; from pinned memory the copy is queued on the stream the
             # all-gather then runs on, and the host goes on (then the cast, on the device)
-            src = u.state["master"].to(self.device, non_blocking=True).to(self.param_dtype)
+            src = s.master.to(self.device, non_blocking=True).to(self.param_dtype)
             # write through .data, an alias with a version counter of its own: the views autograd saved in forward
             # must not look modified when backward finds them refilled with the same values
-            work = dist.all_gather_single(u.state["gathered"].data, src, group=self.group, async_op=True)
-            u.state["gather"] = (work, src)
+            work = dist.all_gather_single(s.gathered.data, src, group=self.group, async_op=True)
+            s.gather = (work, src)
             self._track()
-        if wait and "gather" in u.state:
-            u.state.pop("gather")[0].wait()
-            u.state["is_gathered"] = True
+        if wait and s.gather is not None:
+            work, s.gather = s.gather[0], None
+            work.wait()
+            s.is_gathered = True
 
     def _free(self, u):
-        if "gather" in u.state:  # a prefetch still in flight must land before its memory goes
-            u.state.pop("gather")[0].wait()
-        u.state["gathered"].untyped_storage().resize_(0)
-        u.state["is_gathered"] = False
+        s = u.state
+        if s.gather is not None:  # a prefetch still in flight must land before its memory goes
+            work, s.gather = s.gather[0], None
+            work.wait()
+        s.gathered.untyped_storage().resize_(0)
+        s.is_gathered = False
 
     def _track(self):
-        held = sum(u.numel * u.state["gathered"].element_size() for u in self.units
-                   if u.state["is_gathered"] or "gather" in u.state)
+        held = sum(u.numel * u.state.gathered.element_size() for u in self.units
+                   if u.state.is_gathered or u.state.gather is not None)
         held += sum(flat.numel() * flat.element_size() for _, _, flat, _ in self.pending_reduce)
         self.peak_gathered = max(self.peak_gathered, held + self.local_grads)
 
@@ -182,16 +209,16 @@ class FSDP(Sharded):
     def _reduce_scatter(self, u):
         # this micro-step's gradients of the unit, added into its flat accumulation buffer in reduce_dtype (bf16
         # .grad tensors summed over micro-steps in bf16 would lose their low bits), and dropped
-        acc = u.state.get("acc")
+        acc = u.state.acc
         if acc is None:
-            acc = u.state["acc"] = torch.zeros(u.numel, dtype=self.reduce_dtype, device=self.device)
+            acc = u.state.acc = torch.zeros(u.numel, dtype=self.reduce_dtype, device=self.device)
             self.local_grads += acc.numel() * acc.element_size()
         for p, o in zip(u.params, u.offsets):
             if p.grad is not None:  # None: added already, as a backward under no_sync ended (reduce_grads)
                 acc[o: o + p.numel()].add_(p.grad.view(-1))
                 p.grad = None
         if self.hooks.sync:  # the last micro-step: reduce-scatter the sum (non-final ones keep it local)
-            flat = u.state.pop("acc")
+            flat, u.state.acc = u.state.acc, None
             self.local_grads -= flat.numel() * flat.element_size()
             flat.div_(self.world * self.replicas)  # the mean over every data-parallel rank, replicas included
             out = torch.empty(u.numel // self.world, dtype=self.reduce_dtype, device=self.device)
@@ -224,7 +251,7 @@ class FSDP(Sharded):
     def _accumulate(self, u, out):
         # synchronous when offloaded: the host waits here for the device's stream, so every gather queued from the
         # pinned shards has read them before the step on the CPU writes them
-        u.state["grad_shard"].add_(out.to(self.shard_device, torch.float32))
+        u.state.grad_shard.add_(out.to(self.shard_device, torch.float32))
 
     def _end_of_backward(self):
         for pending in self.pending_reduce:
@@ -254,7 +281,7 @@ class FSDP(Sharded):
 
     def zero_grad(self, set_to_none=True):
         for u in self.units:
-            u.state["grad_shard"].zero_()
+            u.state.grad_shard.zero_()
 
 
 def apply_fsdp(model, mesh, p, make_optimizer, device, init_param):

@@ -43,6 +43,8 @@ hyper-parameters step views of this rank's master slices ("segments"), each in t
 belongs to. Checkpoints store the master (`holders`), so a mixed-precision checkpoint holds float32 weights and
 loads under any layout.
 """
+from dataclasses import dataclass, field
+
 import torch
 import torch.distributed as dist
 
@@ -55,6 +57,28 @@ from parallel.strategy import Sharded, owned_segments, sharded_optimizer
 
 def _nbytes(t):
     return t.numel() * t.element_size()
+
+
+@dataclass(eq=False)
+class BucketState:
+    """What ZeRO keeps per bucket (bucket.state): all made at wrap time and kept, but acc and pending (transient)."""
+    # the flat working weights (param_dtype), each parameter's .data a view into them; all-gathered after each step
+    param: torch.Tensor
+    # this rank's fp32 master weights: in float32 param[lo:hi] itself, in mixed precision a float32 copy of it
+    master: torch.Tensor
+    # the slice [lo, hi) of the bucket's flat space that this rank owns
+    lo: int
+    hi: int
+    # this rank's slice of the averaged gradients: stage 1 a view of grad[lo:hi], stage 2 a buffer of its own
+    grad_shard: torch.Tensor
+    # stage 1 only: the full flat gradients, each .grad a view into them (unless the sink adds bf16 ones in)
+    grad: torch.Tensor | None = None
+    # the views of master that the local optimizer steps, each in its parameter's group
+    segments: list = field(default_factory=list)
+    # stage 2 with the sink: the fp32 sum of the bf16 .grads; set at the first one, cleared by its reduce-scatter
+    acc: torch.Tensor | None = None
+    # (work, comm, out) of the reduce-scatter in flight: set in _reduce_scatter, cleared by _settle
+    pending: tuple | None = None
 
 
 class ZeroOptimizer(Sharded):
@@ -87,23 +111,23 @@ class ZeroOptimizer(Sharded):
             lo, hi = self.rank * shard, (self.rank + 1) * shard
             flat = full.to(param_dtype)  # the working weights (in float32, `full` itself)
             master = full[lo:hi].clone() if self.mixed else flat[lo:hi]
-            b.state.update(param=flat, master=master, lo=lo, hi=hi)
             if stage == 1:
-                b.state["grad"] = torch.zeros(b.numel, dtype=self.grad_dtype, device=flat.device)
-                b.state["grad_shard"] = b.state["grad"][lo:hi]
+                grad = torch.zeros(b.numel, dtype=self.grad_dtype, device=flat.device)
+                grad_shard = grad[lo:hi]
             else:
-                b.state["grad_shard"] = torch.zeros(shard, dtype=self.grad_dtype, device=flat.device)
+                grad, grad_shard = None, torch.zeros(shard, dtype=self.grad_dtype, device=flat.device)
+            b.state = BucketState(flat, master, lo, hi, grad_shard, grad)
             for p, o in zip(b.params, b.offsets):
                 p.data = flat[o: o + p.numel()].view_as(p)
                 if stage == 1 and not self.sink:
-                    p.grad = b.state["grad"][o: o + p.numel()].view_as(p)
+                    p.grad = grad[o: o + p.numel()].view_as(p)
                 if self.sink:  # registered before ReadyHooks' own hook, so it runs first
                     p.register_post_accumulate_grad_hook(lambda p, b=b, o=o: self._sink(p, b, o))
             # the fp32 master segments' .grad: views of the fp32 gradient shard, or (bf16 gradients) of the float32
             # copy the end of backward makes (_grads_for_step)
             mine = owned_segments(b.params, b.offsets, lo, hi, master,
-                                  b.state["grad_shard"] if self.grad_dtype == torch.float32 else None, {})
-            b.state["segments"] = [s for ss in mine.values() for s in ss]
+                                  grad_shard if self.grad_dtype == torch.float32 else None, {})
+            b.state.segments = [s for ss in mine.values() for s in ss]
             segments.update(mine)
         self.segments = segments
         self.local_optimizer = sharded_optimizer(template, segments)
@@ -122,11 +146,11 @@ class ZeroOptimizer(Sharded):
         """bf16 weights, fp32 gradients: add this micro-step's bf16 .grad into the bucket's fp32 buffer (stage 1's
         full buffer; stage 2's accumulation buffer, which the bucket's reduce-scatter then consumes)."""
         if self.stage == 1:
-            acc = b.state["grad"]
+            acc = b.state.grad
         else:
-            if "acc" not in b.state:
-                b.state["acc"] = torch.zeros(b.numel, dtype=self.grad_dtype, device=p.device)
-            acc = b.state["acc"]
+            if b.state.acc is None:
+                b.state.acc = torch.zeros(b.numel, dtype=self.grad_dtype, device=p.device)
+            acc = b.state.acc
         acc[o: o + p.numel()].add_(p.grad.view(-1))
         p.grad = None
 
@@ -134,44 +158,45 @@ class ZeroOptimizer(Sharded):
         if not (self.hooks.sync or self.sharded_accumulation):
             return  # a non-final micro-step of local accumulation: nothing to communicate
         for other in self.buckets:  # free the transient buffers of reductions that have already completed
-            if "pending" in other.state and other.state["pending"][0].is_completed():
+            if other.state.pending is not None and other.state.pending[0].is_completed():
                 self._settle(other)
         if self.stage == 1:
-            full = b.state["grad"]
+            full = b.state.grad
             for p, o in zip(b.params, b.offsets):  # .grad replaced by someone (set_to_none): copy it into place
                 if p.grad is not None and p.grad.data_ptr() != full[o:].data_ptr():
                     full[o: o + p.numel()].copy_(p.grad.view(-1))
                     p.grad = full[o: o + p.numel()].view_as(p)
-        elif "acc" in b.state:  # the sink has gathered this bucket's gradients already
-            full = b.state.pop("acc")
+        elif b.state.acc is not None:  # the sink has gathered this bucket's gradients already
+            full, b.state.acc = b.state.acc, None
         else:
-            full = torch.zeros(b.numel, dtype=self.grad_dtype, device=b.state["param"].device)
+            full = torch.zeros(b.numel, dtype=self.grad_dtype, device=b.state.param.device)
             for p, o in zip(b.params, b.offsets):
                 full[o: o + p.numel()].copy_(p.grad.view(-1))
                 p.grad = None  # the full gradient lives only until its bucket is reduced
         comm = full if self.reduce_dtype == full.dtype else full.to(self.reduce_dtype)
         comm.div_(self.world)
-        out = comm[b.state["lo"]: b.state["hi"]] if self.stage == 1 else b.state["grad_shard"]
+        out = comm[b.state.lo: b.state.hi] if self.stage == 1 else b.state.grad_shard
         if out.dtype != comm.dtype or self.sharded_accumulation:  # the shard adds each micro-step's reduction
             out = torch.empty_like(out, dtype=comm.dtype)
-        b.state["pending"] = (dist.reduce_scatter_single(out, comm, group=self.group, async_op=True), comm, out)
+        b.state.pending = (dist.reduce_scatter_single(out, comm, group=self.group, async_op=True), comm, out)
 
     def _settle(self, b):
-        work, comm, out = b.state.pop("pending")  # stage 2: dropping `comm`, the transient full buffer, frees it
+        # stage 2: dropping `comm`, the transient full buffer, frees it
+        (work, comm, out), b.state.pending = b.state.pending, None
         work.wait()
         if self.sharded_accumulation:
-            b.state["grad_shard"].add_(out)
-        elif out.data_ptr() != b.state["grad_shard"].data_ptr():  # reduced in another dtype
-            b.state["grad_shard"].copy_(out)
+            b.state.grad_shard.add_(out)
+        elif out.data_ptr() != b.state.grad_shard.data_ptr():  # reduced in another dtype
+            b.state.grad_shard.copy_(out)
 
     def _end_of_backward(self):
         for b in self.buckets:
-            if "pending" in b.state:
+            if b.state.pending is not None:
                 self._settle(b)
         if not self.hooks.sync:  # between micro-steps: the full local gradients stage 2 holds until the last one
             if self.stage == 2:
                 held = sum(_nbytes(p.grad) for b in self.buckets for p in b.params if p.grad is not None)
-                self._track(held + sum(_nbytes(b.state["acc"]) for b in self.buckets if "acc" in b.state))
+                self._track(held + sum(_nbytes(b.state.acc) for b in self.buckets if b.state.acc is not None))
         elif self.grad_dtype != torch.float32:
             self._grads_for_step()
 
@@ -179,9 +204,9 @@ class ZeroOptimizer(Sharded):
         """bf16 gradient shards -> float32 copies, the .grad of the master segments until the step frees them."""
         held = 0
         for b in self.buckets:
-            g32 = b.state["grad_shard"].float()
+            g32 = b.state.grad_shard.float()
             held += _nbytes(g32)
-            for s in b.state["segments"]:
+            for s in b.state.segments:
                 s.grad = g32[s.shard_offset: s.shard_offset + s.numel()]
         self._track(held)
 
@@ -202,15 +227,16 @@ class ZeroOptimizer(Sharded):
         return ([(p, 0)] if not self.mixed else segs), segs
 
     def state_tensors(self):
-        return [b.state[k] for b in self.buckets for k in ("param", "master", "grad", "grad_shard") if k in b.state]
+        return [t for b in self.buckets for t in (b.state.param, b.state.master, b.state.grad, b.state.grad_shard)
+                if t is not None]
 
     @torch.no_grad()
     def _gather(self):
         """Every bucket's working weights from each rank's master slice: cast into the own slice, all-gather."""
         for b in self.buckets:
             if self.mixed:
-                b.state["param"][b.state["lo"]: b.state["hi"]].copy_(b.state["master"])
-        works = [dist.all_gather_single(b.state["param"], b.state["param"][b.state["lo"]: b.state["hi"]],
+                b.state.param[b.state.lo: b.state.hi].copy_(b.state.master)
+        works = [dist.all_gather_single(b.state.param, b.state.param[b.state.lo: b.state.hi],
                                         group=self.group, async_op=True) for b in self.buckets]
         for w in works:
             w.wait()
@@ -220,7 +246,7 @@ class ZeroOptimizer(Sharded):
         self.local_optimizer.step()  # updates this rank's master segments, in place
         if self.grad_dtype != torch.float32:  # free the float32 copies of the bf16 gradients
             for b in self.buckets:
-                for s in b.state["segments"]:
+                for s in b.state.segments:
                     s.grad = None
         self._gather()
 
@@ -233,10 +259,10 @@ class ZeroOptimizer(Sharded):
         # overwritten by the next reduction, unless every micro-step adds into them
         if self.stage == 1:
             for b in self.buckets:
-                b.state["grad"].zero_()
+                b.state.grad.zero_()
         elif self.sharded_accumulation:
             for b in self.buckets:
-                b.state["grad_shard"].zero_()
+                b.state.grad_shard.zero_()
 
 
 def apply_zero(model, mesh, p, make_optimizer, stage):

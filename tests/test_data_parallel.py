@@ -316,11 +316,11 @@ def _worker(rank, world, init_file, strategy, errors):
                 torch.testing.assert_close(p.grad, expected[n], rtol=1e-5, atol=1e-7, msg=n)
         else:  # ZeRO-2: no full gradient survives backward; this rank's shard holds its slice of the average
             assert all(p.grad is None for p in model.parameters())
-            assert all("pending" not in b.state for b in owner.buckets)  # transient buffers released
+            assert all(b.state.pending is None for b in owner.buckets)  # transient buffers released
             for b in owner.buckets:
                 full = torch.cat([expected[_name(model, p)].view(-1) for p in b.params])
                 full = torch.nn.functional.pad(full, (0, b.numel - full.numel()))
-                torch.testing.assert_close(b.state["grad_shard"], full[b.state["lo"]: b.state["hi"]],
+                torch.testing.assert_close(b.state.grad_shard, full[b.state.lo: b.state.hi],
                                            rtol=1e-5, atol=1e-7)
         dist.destroy_process_group()
     except Exception as e:  # surface the failure in the parent's assertion
