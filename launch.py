@@ -145,6 +145,24 @@ def ranks_from_submitit():
     submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
 
 
+def process_group(layout, device, run_dir, rank):
+    """(whether this call created the process group, the device mesh) for a run of `layout` (parallel/layout.py):
+    none for one process that calls no collective; a one-rank FSDP still calls them (on itself). A caller that runs
+    several jobs in one process group (tools/jobs.py) keeps its own. NCCL on a GPU, gloo on a CPU."""
+    import torch.distributed as dist
+    if layout.world == 1 and layout.strategy == "none":
+        return False, None
+    owns = not dist.is_initialized()
+    if owns:
+        cuda = device.startswith("cuda")
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=torch.device(device) if cuda else None,
+                                **process_group_store())
+    dist.barrier()  # every rank has checked the run dir before rank 0 writes into it
+    if rank > 0 and owns:  # one console: the other ranks print to rank<k>.log in the run dir
+        log_to_file(run_dir, rank)
+    return owns, layout.build_mesh(device.split(":")[0])
+
+
 def log_to_file(run_dir, rank):
     """Send this process's stdout and stderr (the file descriptors: C++ output too) to rank<k>.log in run_dir."""
     os.makedirs(run_dir, exist_ok=True)  # on a node that doesn't share rank 0's file system

@@ -3,9 +3,9 @@ parallelize -> loop.
 
     python train.py                                   # tiny GPT on the stdlib's Python sources, CPU or GPU
     python train.py model=gpt_125m data=text data.paths=[my.txt] train.max_steps=2000
-    torchrun --nproc_per_node=4 train.py parallel=zero2 parallel.impl=scratch
-    torchrun --nproc_per_node=4 train.py parallel=fsdp parallel.tp=2           # FSDP over dp=2 x tensor parallel 2
-    python train.py -m parallel=ddp,zero1,zero2,fsdp launcher.nproc_per_node=4   # a sweep of 4-rank jobs
+    torchrun --nproc_per_node=4 train.py parallel=zero2 train.micro_batch_size=4
+    torchrun --nproc_per_node=4 train.py parallel=fsdp parallel.tp=2 train.micro_batch_size=4  # FSDP dp=2 x tp=2
+    python train.py -m parallel=ddp,zero1,zero2,fsdp launcher.nproc_per_node=4 train.micro_batch_size=4  # a sweep
 
 Every setting lives in conf/ (Hydra) and is checked by config.py; `python train.py --help` lists the groups.
 Bad settings stop the run with one line, `error: ...`, before any work and before anything is written.
@@ -117,17 +117,7 @@ def run(cfg, run_dir):
     if device == "cuda":  # before the process group: NCCL binds each rank to its own GPU
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
-    owns_group, mesh = False, None
-    if world > 1 or layout.strategy != "none":  # a one-rank FSDP still calls collectives (on itself)
-        if not dist.is_initialized():  # a caller that runs several jobs in one process group keeps its own
-            dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
-                                    device_id=torch.device(device) if device.startswith("cuda") else None,
-                                    **launch.process_group_store())
-            owns_group = True
-        dist.barrier()  # every rank has checked the run dir before rank 0 writes into it
-        if rank > 0 and owns_group:  # one console: the other ranks print to rank<k>.log in the run dir
-            launch.log_to_file(run_dir, rank)
-        mesh = layout.build_mesh(device.split(":")[0])
+    owns_group, mesh = launch.process_group(layout, device, run_dir, rank)
     print0 = print if rank == 0 else (lambda *a, **k: None)
     t, o = cfg.train, cfg.optim
 
@@ -267,8 +257,7 @@ def run(cfg, run_dir):
         torch.manual_seed(t.seed)
         prompt = torch.tensor([enc.encode_ordinary(t.sample_prompt) or [prepare.tokenizer.eot_id(enc)]], device=device)
         with autocast:
-            out = par.pipeline.generate(prompt, t.sample_tokens) if par.pipeline else \
-                par.module.generate(prompt, t.sample_tokens)
+            out = par.generate(prompt, t.sample_tokens)
         print0("--- sample ---\n" + enc.decode(out[0].tolist()) + "\n--------------")
     metrics.close()
     if dist.is_initialized():

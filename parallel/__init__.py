@@ -83,6 +83,10 @@ class Parallelized:
             dist.all_reduce(loss_sum)
         return loss_sum.item() / (accum * self.layout.stage_world)
 
+    def generate(self, idx, max_new_tokens):
+        """model.generate, on every rank (a sharded model needs all of them): through the stages under a pipeline."""
+        return (self.pipeline or self.module).generate(idx, max_new_tokens)
+
     def no_sync(self):
         return self.data.no_sync()
 
@@ -160,7 +164,7 @@ def apply_compile(model, tensor_parallel=False):
       dynamo traces into the gathers and breaks on them.
     - under our tensor parallel, whose f and g sit at the attention's and MLP's boundaries (and in the loss):
       their forwards, the hooks outside.
-    Compiled against eager for every strategy: README, "Compile", from `python -m tools.bench --compile`."""
+    Compiled against eager for every strategy: docs/compile.md, from `python -m tools.bench --compile`."""
     if tensor_parallel:
         for block in model.blocks:
             block.attn.forward = torch.compile(block.attn.forward)

@@ -1,6 +1,6 @@
 """Report on a sweep: a markdown table, one row per job, and plots, read back from each job's files.
 
-    python train.py -m parallel=ddp,zero1,zero2,fsdp launcher.nproc_per_node=2 train.max_steps=30
+    python train.py -m parallel=ddp,zero1,zero2,fsdp launcher.nproc_per_node=2 train.micro_batch_size=8 train.max_steps=30
     python -m tools.report outputs/multirun/2026-11-30/12-00-00
 
 A job is a subfolder of the sweep (Hydra's job number); its config.yaml and metrics.jsonl are all the report reads,
