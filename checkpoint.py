@@ -42,6 +42,7 @@ import pickle
 import re
 import shutil
 import signal
+import socket
 import threading
 import warnings
 
@@ -275,11 +276,33 @@ def _barrier():
         dist.barrier()
 
 
+def check_shared(out_dir, rank):
+    """A checkpoint is one folder every rank writes its shard into, and any layout reads back: across machines that
+    needs train.out_dir on a file system they all share. Rank 0 leaves a file there; every rank must see it. Raises
+    CheckpointError (one line, on every rank) where some rank does not, before anything of the run is written."""
+    import uuid
+    probe = [os.path.join(os.path.expanduser(out_dir), f".shared-probe-{uuid.uuid4().hex}")] if rank == 0 else [None]
+    if rank == 0:
+        os.makedirs(os.path.dirname(probe[0]), exist_ok=True)
+        open(probe[0], "w").close()
+    dist.broadcast_object_list(probe, src=0)
+    seen = os.path.exists(probe[0])
+    missing = [None] * dist.get_world_size()
+    dist.all_gather_object(missing, None if seen else f"{rank} ({socket.gethostname()})")
+    dist.barrier()
+    if rank == 0:
+        os.remove(probe[0])
+    missing = [m for m in missing if m]
+    if missing:
+        raise CheckpointError(f"checkpoint.keep>0 writes every rank's shard into one folder under train.out_dir="
+                              f"{out_dir}, but rank {missing[0]} does not see rank 0's files there: put it on a file "
+                              f"system every node shares, or set checkpoint.keep=0")
+
+
 # --- resuming, and the faults that make a run resume
 def resume_from(cfg, run_dir):
     """The checkpoint train.resume names (a path, or None to start afresh). A run dir that already holds a run is
     only ever continued (auto), never written over."""
-    from omegaconf import OmegaConf
     r = str(cfg.train.resume)
     r = "none" if r.lower() in ("none", "null") else r  # train.resume=null reads as Python's None
     found = complete(os.path.join(run_dir, "checkpoints"))
@@ -482,8 +505,11 @@ def load(path, par):
 
 def _make_state(optimizer, layout, saved):
     """Create the optimizer state the checkpoint holds (a fresh optimizer has none until its first step), as the
-    optimizer would: zeros shaped like each holder, float32 scalars (Adam's step)."""
+    optimizer would: zeros shaped like each holder, float32 scalars (Adam's step) where it keeps them."""
     state = optimizer.state
+    # Adam keeps `step` on the parameter's device when fused or capturable (the fused kernel reads it there and
+    # does not check), on the CPU otherwise: as torch.optim.Adam's _init_group does
+    on_device = {id(p) for g in optimizer.param_groups if g.get("fused") or g.get("capturable") for p in g["params"]}
     wanted = {}
     for key, m in saved.items():
         if key.startswith("optim."):
@@ -493,7 +519,8 @@ def _make_state(optimizer, layout, saved):
         for h, _ in e.optim:
             for k, m in wanted.get(name, {}).items():
                 if k not in state[h]:
-                    state[h][k] = torch.zeros((), dtype=torch.float32) if len(m.size) == 0 else torch.zeros_like(h)
+                    state[h][k] = torch.zeros((), dtype=torch.float32, device=h.device if id(h) in on_device
+                                              else "cpu") if len(m.size) == 0 else torch.zeros_like(h)
 
 
 def consolidate(path):

@@ -163,6 +163,12 @@ def process_group(layout, device, run_dir, rank):
     return owns, layout.build_mesh(device.split(":")[0])
 
 
+def multi_node():
+    """Whether this run spans machines (torchrun's LOCAL_WORLD_SIZE below WORLD_SIZE)."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world
+
+
 def log_to_file(run_dir, rank):
     """Send this process's stdout and stderr (the file descriptors: C++ output too) to rank<k>.log in run_dir."""
     os.makedirs(run_dir, exist_ok=True)  # on a node that doesn't share rank 0's file system

@@ -114,19 +114,19 @@ def run(cfg, run_dir):
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     layout, device, dtype, accum, resume = check_config(cfg, run_dir, world)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if device == "cuda":  # before the process group: NCCL binds each rank to its own GPU
-        device = f"cuda:{local_rank}"
+    if device == "cuda":  # before the process group: NCCL binds each rank to its own GPU (SLURM may show each
+        device = f"cuda:{local_rank % torch.cuda.device_count()}"  # task only its own: cuda:0)
         torch.cuda.set_device(device)
-    owns_group, mesh = launch.process_group(layout, device, run_dir, rank)
     print0 = print if rank == 0 else (lambda *a, **k: None)
     t, o = cfg.train, cfg.optim
 
-    # --- data: one process per machine prepares the shards, the others wait and then read the cache
-    if local_rank == 0:
-        prepare.prepare(cfg.data, cfg.data.cache_dir, log=print0)
-    if world > 1:
-        dist.barrier()
-    data_dir = prepare.prepare(cfg.data, cfg.data.cache_dir)
+    # --- data: one process per machine prepares the shards; the others wait for them on the file system, before any
+    # collective (a long tokenization would pass NCCL's timeout in a barrier)
+    data_dir = prepare.prepare(cfg.data, cfg.data.cache_dir, log=print0) if local_rank == 0 else \
+        prepare.wait_for(cfg.data, cfg.data.cache_dir, log=print0)
+    owns_group, mesh = launch.process_group(layout, device, run_dir, rank)
+    if cfg.checkpoint.keep and launch.multi_node():  # every rank writes its shard into one checkpoint folder
+        checkpoint.check_shared(cfg.train.out_dir, rank)
     train_tokens, val_tokens, enc, meta = prepare.load(data_dir)
     for split, toks in (("train", train_tokens), ("val", val_tokens)):
         if len(toks) <= t.seq_len:

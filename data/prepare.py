@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import sysconfig
 import time
 
@@ -77,10 +78,10 @@ def prepare(dcfg, cache_dir, log=print):
     """Return the cache folder holding train.bin, val.bin, meta.json (and the bpe tokenizer), preparing it once."""
     files = None if dcfg.source == "fineweb_edu" else local_files(dcfg)
     dtype = shards.token_dtype(vocab_size(dcfg), dcfg.token_dtype)
-    out = os.path.join(os.path.expanduser(cache_dir), f"{dcfg.source}-{dcfg.tokenizer}-{cache_key(dcfg, files)}")
+    out = cache_path(dcfg, cache_dir, files)
     if os.path.exists(os.path.join(out, "meta.json")):
         return out
-    tmp = f"{out}.tmp-{os.getpid()}"
+    tmp = f"{out}.tmp-{socket.gethostname()}-{os.getpid()}"  # two nodes over one shared cache may share a pid
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
@@ -101,15 +102,36 @@ def prepare(dcfg, cache_dir, log=print):
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump({"tokenizer": dcfg.tokenizer, "vocab_size": vocab_size(dcfg), "tokens": count,
                        "documents": len(docs), "files": len(files or [])}, f)
-        if os.path.exists(out):  # another process finished first; its copy is as good as ours
+        try:
+            os.replace(tmp, out)  # atomic: a reader sees no folder or a complete one
+        except OSError:  # another process (another node's, over a shared cache) finished first: its copy is ours
+            if not os.path.exists(os.path.join(out, "meta.json")):
+                raise
             shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, out)
         log(f"data: {count:,} tokens written to {out} in {time.time() - t0:.1f}s")
         return out
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def cache_path(dcfg, cache_dir, files=None):
+    """The cache folder of this data config (its key: the settings and the files' sizes and times)."""
+    files = files if files is not None or dcfg.source == "fineweb_edu" else local_files(dcfg)
+    return os.path.join(os.path.expanduser(cache_dir), f"{dcfg.source}-{dcfg.tokenizer}-{cache_key(dcfg, files)}")
+
+
+def wait_for(dcfg, cache_dir, log=print, poll_s=1.0):
+    """The cache folder, once another process on this machine (its local rank 0) has prepared it: polled on the file
+    system, not waited for in a collective, whose timeout (NCCL's 10 minutes) a long tokenization would pass. If
+    that process fails, torchrun stops this one."""
+    out, start, said = cache_path(dcfg, cache_dir), time.time(), 0
+    while not os.path.exists(os.path.join(out, "meta.json")):
+        if time.time() - start > 60 * (said + 1):
+            said += 1
+            log(f"data: waiting for local rank 0 to prepare {out} ({said} min)")
+        time.sleep(poll_s)
+    return out
 
 
 def local_docs(dcfg, files, hf_cache):

@@ -16,6 +16,15 @@ With Psi = bytes of all parameters in the communicated dtype: DDP moves 2 Psi pe
 2 Psi (reduce-scatter + all-gather), ZeRO-3 3 Psi (two all-gathers + one reduce-scatter). Point-to-point sends and
 receives count the bytes of their tensor, as kind "p2p". Each count is also filed under the mesh dimension its
 process group belongs to (`name_groups`), "world" for the default group.
+
+`CommCounter(log=True)` also keeps the order: every call as (group ranks, kind, shape, dtype). NCCL needs every
+rank of a group to issue the same collectives in the same order, and ranks that share two groups to interleave
+them the same way; gloo forgives what NCCL hangs on. `order_problem` checks logs from every rank against that rule.
+
+Torch versions: torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to all_gather_single /
+reduce_scatter_single (pytorch#186123, 2026-06), keeping the old names as deprecated aliases. The strategies call
+`all_gather_single` and `reduce_scatter_single` below, which take whichever name this torch has, and `install()`
+wraps the names that exist: torch 2.11 and 2.12 (old names only) run as 2.13 does.
 """
 import functools
 import inspect
@@ -82,6 +91,19 @@ def _arg(args, kwargs, index, name):
     return args[index] if len(args) > index else kwargs.get(name)
 
 
+def _ranks(group):
+    group = _resolve(group)
+    return tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+
+
+def _shape(t):
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else [_shape(x) for x in t]
+
+
+def _dtype(t):
+    return str(t.dtype) if isinstance(t, torch.Tensor) else _dtype(t[0]) if len(t) else None
+
+
 def _wrap(fn, kind, tensor, factor):
     params = list(inspect.signature(fn).parameters)
     at, group_at = params.index(tensor), params.index("group")
@@ -90,11 +112,13 @@ def _wrap(fn, kind, tensor, factor):
     def counted(*args, **kwargs):
         if not _open or getattr(_inside, "depth", 0) or torch.compiler.is_compiling():
             return fn(*args, **kwargs)  # (a collective dynamo traces into a graph runs as a graph op: uncounted)
-        group = _arg(args, kwargs, group_at, "group")
-        n = _nbytes(_arg(args, kwargs, at, tensor)) * (_group_size(group) if factor == "size" else factor)
+        group, t = _arg(args, kwargs, group_at, "group"), _arg(args, kwargs, at, tensor)
+        n = _nbytes(t) * (_group_size(group) if factor == "size" else factor)
         dim = _dim(group)
         for c in _open:
             c.add(kind, n, dim)
+            if c.log is not None and kind != "p2p":  # (p2p pairs are matched by pp's own order check)
+                c.log.append((_ranks(group), kind, _shape(t), _dtype(t)))
         _inside.depth = 1
         try:
             return fn(*args, **kwargs)
@@ -108,7 +132,9 @@ def install():
     """Wrap torch.distributed's collectives and the functional ones, once per process."""
     for module, table, functional in ((c10d, C10D, False), (funcol, FUNCOL, True)):
         for name, (kind, tensor, factor) in table.items():
-            fn = getattr(module, name)
+            fn = getattr(module, name, None)
+            if fn is None:  # a name this torch doesn't have (the _single names before 2.13)
+                continue
             wrapped = _wrap(fn, kind, tensor, factor)
             setattr(module, name, wrapped)
             if not functional and getattr(dist, name, None) is fn:
@@ -120,8 +146,9 @@ class CommCounter:
     {(dim, kind): bytes}. p2p bytes are in by_kind["p2p"] and by_dim, not in c.bytes (collectives only).
     `reset()` starts the count again without leaving the block (train.py: one counter, reset every step)."""
 
-    def __init__(self):
+    def __init__(self, log=False):
         install()
+        self.log = [] if log else None
         self.reset()
 
     def reset(self):
@@ -140,6 +167,48 @@ class CommCounter:
 
     def __exit__(self, *exc):
         _open.remove(self)
+
+
+def all_gather_single(output, input, group=None, async_op=False):
+    """dist.all_gather_single (torch >= 2.13), or all_gather_into_tensor, its name before: looked up at each call,
+    so that the counting wrapper install() put in its place runs."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output, input, group=None, async_op=False):
+    """dist.reduce_scatter_single (torch >= 2.13), or reduce_scatter_tensor, its name before."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def order_problem(logs):
+    """Where collectives from several ranks would hang NCCL, in one line, or None. `logs`: {rank: [(group ranks,
+    kind, shape, dtype), ...]} from CommCounter(log=True). The rule: each group's collectives are issued in the same
+    order, with the same shapes and dtypes, by every rank in it; and any two groups that share ranks are interleaved
+    the same way by each of the ranks they share (NCCL runs each communicator's collectives in issue order, and a
+    rank blocked on one group's collective can't issue the next group's)."""
+    groups = {g for log in logs.values() for g, *_ in log}
+    for g in sorted(groups):
+        seqs = {r: [c[1:] for c in logs[r] if c[0] == g] for r in g if r in logs}
+        ref_rank = min(seqs)
+        for r, seq in seqs.items():
+            if seq != seqs[ref_rank]:
+                i = next((i for i, (a, b) in enumerate(zip(seq, seqs[ref_rank])) if a != b), min(len(seq), len(
+                    seqs[ref_rank])))
+                return (f"group {list(g)}: rank {r}'s collective #{i} is "
+                        f"{seq[i] if i < len(seq) else 'missing'}, rank {ref_rank}'s "
+                        f"{seqs[ref_rank][i] if i < len(seqs[ref_rank]) else 'missing'}")
+    for g in sorted(groups):
+        for h in sorted(groups):
+            shared = sorted(set(g) & set(h) & set(logs))
+            if g >= h or len(shared) < 2:
+                continue
+            seqs = {r: [c[0] for c in logs[r] if c[0] in (g, h)] for r in shared}
+            if len({tuple(s) for s in seqs.values()}) > 1:
+                return (f"groups {list(g)} and {list(h)}: ranks {shared} interleave their collectives in different "
+                        f"orders")
+    return None
 
 
 def all_ranks(flag, op):

@@ -216,7 +216,7 @@ class AllGatherAttention(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False):
             kv = torch.stack([k, v])
             gathered = torch.empty((n * 2,) + kv.shape[1:], dtype=kv.dtype, device=kv.device)
-            dist.all_gather_single(gathered, kv, group=group)
+            comm.all_gather_single(gathered, kv, group=group)
             gathered = gathered.view(n, *kv.shape)  # rank r's K, V at [r]
             q32 = q.float()
             out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -237,7 +237,7 @@ class AllGatherAttention(torch.autograd.Function):
         dq = torch.zeros_like(q32)
         grads = torch.stack([backward_block(q32, gathered[src], dout, lse, delta, rank, src, dq) for src in range(n)])
         own = torch.empty(grads.shape[1:], dtype=torch.float32, device=q.device)
-        dist.reduce_scatter_single(own, grads.view((n * 2,) + grads.shape[2:]), group=ctx.group)
+        comm.reduce_scatter_single(own, grads.view((n * 2,) + grads.shape[2:]), group=ctx.group)
         return dq.to(q.dtype), own[0].to(q.dtype), own[1].to(q.dtype), None
 
 

@@ -46,8 +46,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from parallel import buckets, comm
 from parallel.layout import DTYPES
-from parallel import buckets
 from parallel.strategy import DataParallel, Sharded, dp_mesh, owned_segments, sharded_optimizer
 
 
@@ -161,7 +161,7 @@ class FSDP(Sharded):
             src = s.master.to(self.device, non_blocking=True).to(self.param_dtype)
             # write through .data, an alias with a version counter of its own: the views autograd saved in forward
             # must not look modified when backward finds them refilled with the same values
-            work = dist.all_gather_single(s.gathered.data, src, group=self.group, async_op=True)
+            work = comm.all_gather_single(s.gathered.data, src, group=self.group, async_op=True)
             s.gather = (work, src)
             self._track()
         if wait and s.gather is not None:
@@ -222,11 +222,12 @@ class FSDP(Sharded):
             self.local_grads -= flat.numel() * flat.element_size()
             flat.div_(self.world * self.replicas)  # the mean over every data-parallel rank, replicas included
             out = torch.empty(u.numel // self.world, dtype=self.reduce_dtype, device=self.device)
-            work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
+            work = comm.reduce_scatter_single(out, flat, group=self.group, async_op=True)
             self.pending_reduce.append((u, work, flat, out))
-            # at most one reduction in flight besides this one: each holds a full-size gradient buffer
-            while len(self.pending_reduce) > 2 or (len(self.pending_reduce) > 1 and
-                                                   self.pending_reduce[0][1].is_completed()):
+            # at most one reduction in flight besides this one: each holds a full-size gradient buffer. Settled at
+            # fixed points, never when a poll says it is done: under HSDP settling issues the replicas' all-reduce,
+            # and NCCL needs every rank to issue it at the same place among the shard group's reduce-scatters
+            while len(self.pending_reduce) > 2:
                 self._settle(self.pending_reduce.pop(0))
         self._track()
         self._free(u)  # this unit's backward is over

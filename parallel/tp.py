@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from parallel import comm
 from parallel.strategy import TensorParallel, materialize
 
 COLUMN = ("attn.q.weight", "attn.k.weight", "attn.v.weight", "mlp.up.weight", "head.weight", "wte.weight")
@@ -55,7 +56,7 @@ def _gather_seq(x, group):
     n = dist.get_world_size(group)
     local = x.transpose(0, 1).contiguous()  # all_gather_single concatenates along dim 0
     out = torch.empty((n * local.size(0),) + local.shape[1:], dtype=x.dtype, device=x.device)
-    dist.all_gather_single(out, local, group=group)
+    comm.all_gather_single(out, local, group=group)
     return out.transpose(0, 1).contiguous()
 
 
@@ -64,7 +65,7 @@ def _reduce_scatter_seq(x, group):
     n = dist.get_world_size(group)
     full = x.transpose(0, 1).contiguous()
     out = torch.empty((full.size(0) // n,) + full.shape[1:], dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_single(out, full, group=group)
+    comm.reduce_scatter_single(out, full, group=group)
     return out.transpose(0, 1).contiguous()
 
 

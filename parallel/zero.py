@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from parallel import buckets, comm
 from parallel.layout import DTYPES
-from parallel import buckets
 from parallel.ddp import Replicated, torch_ddp
 from parallel.fsdp import apply_torch_fsdp
 from parallel.strategy import Sharded, owned_segments, sharded_optimizer
@@ -77,7 +77,7 @@ class BucketState:
     segments: list = field(default_factory=list)
     # stage 2 with the sink: the fp32 sum of the bf16 .grads; set at the first one, cleared by its reduce-scatter
     acc: torch.Tensor | None = None
-    # (work, comm, out) of the reduce-scatter in flight: set in _reduce_scatter, cleared by _settle
+    # (work, sent, out) of the reduce-scatter in flight: set in _reduce_scatter, cleared by _settle
     pending: tuple | None = None
 
 
@@ -173,16 +173,16 @@ class ZeroOptimizer(Sharded):
             for p, o in zip(b.params, b.offsets):
                 full[o: o + p.numel()].copy_(p.grad.view(-1))
                 p.grad = None  # the full gradient lives only until its bucket is reduced
-        comm = full if self.reduce_dtype == full.dtype else full.to(self.reduce_dtype)
-        comm.div_(self.world)
-        out = comm[b.state.lo: b.state.hi] if self.stage == 1 else b.state.grad_shard
-        if out.dtype != comm.dtype or self.sharded_accumulation:  # the shard adds each micro-step's reduction
-            out = torch.empty_like(out, dtype=comm.dtype)
-        b.state.pending = (dist.reduce_scatter_single(out, comm, group=self.group, async_op=True), comm, out)
+        sent = full if self.reduce_dtype == full.dtype else full.to(self.reduce_dtype)
+        sent.div_(self.world)
+        out = sent[b.state.lo: b.state.hi] if self.stage == 1 else b.state.grad_shard
+        if out.dtype != sent.dtype or self.sharded_accumulation:  # the shard adds each micro-step's reduction
+            out = torch.empty_like(out, dtype=sent.dtype)
+        b.state.pending = (comm.reduce_scatter_single(out, sent, group=self.group, async_op=True), sent, out)
 
     def _settle(self, b):
-        # stage 2: dropping `comm`, the transient full buffer, frees it
-        (work, comm, out), b.state.pending = b.state.pending, None
+        # stage 2: dropping `sent`, the transient full buffer, frees it
+        (work, _sent, out), b.state.pending = b.state.pending, None
         work.wait()
         if self.sharded_accumulation:
             b.state.grad_shard.add_(out)
@@ -236,7 +236,7 @@ class ZeroOptimizer(Sharded):
         for b in self.buckets:
             if self.mixed:
                 b.state.param[b.state.lo: b.state.hi].copy_(b.state.master)
-        works = [dist.all_gather_single(b.state.param, b.state.param[b.state.lo: b.state.hi],
+        works = [comm.all_gather_single(b.state.param, b.state.param[b.state.lo: b.state.hi],
                                         group=self.group, async_op=True) for b in self.buckets]
         for w in works:
             w.wait()

@@ -38,7 +38,6 @@ import contextlib
 import os
 import types
 
-import torch
 import torch.distributed as dist
 
 from parallel.strategy import DataParallel
