@@ -281,17 +281,19 @@ def check_shared(out_dir, rank):
     needs train.out_dir on a file system they all share. Rank 0 leaves a file there; every rank must see it. Raises
     CheckpointError (one line, on every rank) where some rank does not, before anything of the run is written."""
     import uuid
-    probe = [os.path.join(os.path.expanduser(out_dir), f".shared-probe-{uuid.uuid4().hex}")] if rank == 0 else [None]
+    name = [f".shared-probe-{uuid.uuid4().hex}" if rank == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    probe = os.path.join(os.path.expanduser(out_dir), name[0])  # each rank's own train.out_dir: the same string
     if rank == 0:
-        os.makedirs(os.path.dirname(probe[0]), exist_ok=True)
-        open(probe[0], "w").close()
-    dist.broadcast_object_list(probe, src=0)
-    seen = os.path.exists(probe[0])
+        os.makedirs(os.path.dirname(probe), exist_ok=True)
+        open(probe, "w").close()
+    dist.barrier()
+    seen = os.path.exists(probe)
     missing = [None] * dist.get_world_size()
     dist.all_gather_object(missing, None if seen else f"{rank} ({socket.gethostname()})")
     dist.barrier()
     if rank == 0:
-        os.remove(probe[0])
+        os.remove(probe)
     missing = [m for m in missing if m]
     if missing:
         raise CheckpointError(f"checkpoint.keep>0 writes every rank's shard into one folder under train.out_dir="

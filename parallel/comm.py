@@ -184,30 +184,36 @@ def reduce_scatter_single(output, input, group=None, async_op=False):
 
 def order_problem(logs):
     """Where collectives from several ranks would hang NCCL, in one line, or None. `logs`: {rank: [(group ranks,
-    kind, shape, dtype), ...]} from CommCounter(log=True). The rule: each group's collectives are issued in the same
-    order, with the same shapes and dtypes, by every rank in it; and any two groups that share ranks are interleaved
-    the same way by each of the ranks they share (NCCL runs each communicator's collectives in issue order, and a
-    rank blocked on one group's collective can't issue the next group's)."""
-    groups = {g for log in logs.values() for g, *_ in log}
-    for g in sorted(groups):
-        seqs = {r: [c[1:] for c in logs[r] if c[0] == g] for r in g if r in logs}
-        ref_rank = min(seqs)
-        for r, seq in seqs.items():
-            if seq != seqs[ref_rank]:
-                i = next((i for i, (a, b) in enumerate(zip(seq, seqs[ref_rank])) if a != b), min(len(seq), len(
-                    seqs[ref_rank])))
-                return (f"group {list(g)}: rank {r}'s collective #{i} is "
-                        f"{seq[i] if i < len(seq) else 'missing'}, rank {ref_rank}'s "
-                        f"{seqs[ref_rank][i] if i < len(seqs[ref_rank]) else 'missing'}")
-    for g in sorted(groups):
-        for h in sorted(groups):
-            shared = sorted(set(g) & set(h) & set(logs))
-            if g >= h or len(shared) < 2:
+    kind, shape, dtype), ...]} from CommCounter(log=True), one per rank. NCCL's model, played out: each rank issues
+    its collectives in its order, and a collective completes only when every rank of its group has reached it, with
+    the same kind, shape and dtype; a rank waits on it before its next one (the conservative reading: one stream). A
+    rank left waiting is a hang: two ranks' groups issued in different orders, or one rank's extra collective."""
+    pos = {r: 0 for r in logs}
+
+    def head(r):
+        return logs[r][pos[r]] if pos[r] < len(logs[r]) else None
+    moved = True
+    while moved:
+        moved = False
+        for r in sorted(logs):
+            c = head(r)
+            members = [m for m in c[0] if m in logs] if c else []
+            if not c or any(head(m) is None or head(m)[0] != c[0] for m in members):
                 continue
-            seqs = {r: [c[0] for c in logs[r] if c[0] in (g, h)] for r in shared}
-            if len({tuple(s) for s in seqs.values()}) > 1:
-                return (f"groups {list(g)} and {list(h)}: ranks {shared} interleave their collectives in different "
-                        f"orders")
+            other = next((m for m in members if head(m)[1:] != c[1:]), None)
+            if other is not None:
+                return (f"group {list(c[0])}: rank {r}'s collective #{pos[r]} is {c[1:]}, rank {other}'s "
+                        f"#{pos[other]} {head(other)[1:]}")
+            for m in members:
+                pos[m] += 1
+            moved = True
+    stuck = [r for r in sorted(logs) if head(r) is not None]
+    if stuck:
+        r = stuck[0]
+        waits = [m for m in head(r)[0] if m in logs and (head(m) is None or head(m)[0] != head(r)[0])]
+        at = {m: head(m)[:2] if head(m) else "done" for m in waits}
+        return (f"rank {r} waits forever in collective #{pos[r]} {head(r)[1:]} on group {list(head(r)[0])}: "
+                f"ranks {waits} are at {at}")
     return None
 
 

@@ -3,6 +3,7 @@
 W&B and datasets per rank serve them all (each rank spends seconds importing them); train.run leaves a process
 group it did not create in place, and builds its own mesh inside it each time. The tests' launches
 (tests/conftest.py torchrun_jobs) and tools/precision.py go through here."""
+import contextlib
 import json
 import os
 import sys
@@ -12,7 +13,9 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def main(path):
+def main(path, around=lambda run_dir: contextlib.nullcontext()):
+    """Run the jobs in JOBS.json on this rank, each inside `around(run_dir)` (a context manager: tests wrap each job
+    in what they measure)."""
     sys.path.insert(0, ROOT)
     import train
     from tools.plan import compose
@@ -22,21 +25,23 @@ def main(path):
     for run_dir, overrides in jobs:
         if dist.get_rank() == 0:  # markers around each job's console output, for tests that read it
             print(f"layouts: start {run_dir}", flush=True)
-        train.run(compose(overrides, "config"), run_dir)
+        with around(run_dir):
+            train.run(compose(overrides, "config"), run_dir)
         if dist.get_rank() == 0:
             print(f"layouts: done {run_dir}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def launch(nproc, jobs, timeout=None, env=None):
-    """Run `jobs` [(run dir, [overrides])] on nproc local ranks in one torchrun launch; the CompletedProcess."""
+def launch(nproc, jobs, timeout=None, env=None, script=("-m", "tools.jobs")):
+    """Run `jobs` [(run dir, [overrides])] on nproc local ranks in one torchrun launch; the CompletedProcess.
+    `script`: what each rank runs with the jobs file (a test's own, which calls main)."""
     import subprocess
     import tempfile
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump([[d, list(o)] for d, o in jobs], f)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "tools.jobs", f.name]
+           *script, f.name]
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                               env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
