@@ -4,8 +4,9 @@ One device mesh, built once by the run's Layout (parallel/layout.py) from the de
 ("pp", "dp_replicate", "dp_shard", "cp", "tp"), tensor parallel inside each group of `tp` neighbouring ranks (one
 node's GPUs, on NVLink), context parallel across cp such groups, data parallel across the rest (HSDP's replicas of
 FSDP shard groups; 1 x dp otherwise, flattened into "dp"), pipeline stages outermost (only activations cross between
-them). Every strategy takes its process groups from it, by name.
-`parallelize` composes them in one fixed order (torchtitan's):
+them). Every strategy takes its process groups from it, by name, so the whole mesh composes: any degrees above 1
+at once, pp x dp_replicate x dp_shard x cp x tp (tests/test_mesh.py: each combination at world 8 equal to one
+process, all five at world 32 in the dry run). `parallelize` composes them in one fixed order (torchtitan's):
 
   0. pipeline stages              parallel/pp.py          over "pp", when pp > 1: this rank keeps its stages only
   1. tensor / sequence parallel   parallel/tp.py          over "tp", when tp > 1
@@ -13,8 +14,8 @@ them). Every strategy takes its process groups from it, by name.
   3. activation checkpointing     torch.utils.checkpoint  train.activation_checkpointing
   4. compile                      torch.compile           train.compile
   5. data parallel + optimizer    parallel/ddp.py, zero.py, fsdp.py over "dp" (dp x cp under context parallel):
-     parallel.data (HSDP: fsdp.py over "dp_shard" (x cp), replicas across "dp_replicate"; ZeRO and FSDP own the
-     optimizer step, so this step builds the optimizer)
+     parallel.data (HSDP: fsdp.py over "dp_shard" (x cp), replicas across "dp_replicate", on each tp slice and
+     each pipeline stage as plain FSDP is; ZeRO and FSDP own the optimizer step, so this step builds the optimizer)
 
 Each strategy has two implementations, side by side in its file, chosen with `parallel.impl`: scratch (ours) and
 torch (PyTorch's: DistributedDataParallel; DDP + ZeroRedundancyOptimizer; FSDP2 fully_shard; DTensor

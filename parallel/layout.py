@@ -10,6 +10,11 @@ cross), plus the data-parallel strategy over dp = dp_replicate x dp_shard (x cp:
 tokens'), and which implementation runs it. Expert parallelism will take its ep ranks from within dp x cp, as mature
 trainers do, so it adds no mesh dimension; `ep` is here for that (1 until it is built).
 
+The whole mesh composes: ours runs any degrees above 1 at once (HSDP beside tp, cp and pp; pp beside tp and cp
+together; all five), each combination equal to one process (tests/test_mesh.py); torch's twins where torch's compose
+on CPU/gloo (FSDP2 on the (dp_replicate, dp_shard) mesh beside DTensor tp, torch's pipeline beside HSDP), and
+`problem` says in one line where they don't.
+
 Everything that asks "what layout is this?" reads this value: config.check (through `problem`), parallelize, the
 metrics record, checkpoints' state.json, the planner (every ranked candidate is a Layout, checked by the same
 `problem`) and the dry run. Decisions read its fields and booleans, never a parsed name; `name` is for people.
@@ -296,9 +301,6 @@ class Layout:
         if self.impl == "torch" and self.data == "zero1":
             return ("parallel.data=zero1 with parallel.tp > 1 has no torch twin (ZeroRedundancyOptimizer needs DDP, "
                     "which can't take DTensor parameters); use parallel.impl=scratch")
-        if self.hsdp:
-            return (f"parallel.dp_replicate={self.dp_replicate} with parallel.tp={tp}: HSDP beside tensor "
-                    f"parallelism is not built yet; use parallel.dp_replicate=1 (fsdp_tp) or parallel.tp=1")
         return None
 
     def _cp_problem(self, p, seq_len, compile_):
@@ -322,9 +324,6 @@ class Layout:
         if compile_:
             return ("train.compile=true with parallel.cp > 1: the ring's sends and receives would run inside the "
                     "compiled blocks, where they can't overlap or be counted; use train.compile=false")
-        if self.hsdp:
-            return (f"parallel.dp_replicate={self.dp_replicate} with parallel.cp={cp}: HSDP beside context "
-                    f"parallelism is not built yet; use parallel.dp_replicate=1 (fsdp_cp) or parallel.cp=1")
         return None
 
     def _fsdp_problem(self, p, model, cpu_bf16):
@@ -371,11 +370,6 @@ class Layout:
         if self.tp > 1 and self.impl == "torch":
             return ("parallel.pp > 1 with parallel.tp > 1 and parallel.impl=torch is not built yet (torch's tensor "
                     "parallel is not wired to the stage split); use parallel.impl=scratch")
-        if self.tp > 1 and self.cp > 1:
-            return "parallel.pp > 1 with both parallel.tp > 1 and parallel.cp > 1 is not built yet; drop one of them"
-        if self.dp_replicate > 1:
-            return ("parallel.pp > 1 with HSDP (parallel.dp_replicate > 1) is not built yet; use "
-                    "parallel.dp_replicate=1")
         if self.impl == "deepspeed":
             return "parallel.pp > 1 with parallel.impl=deepspeed is not wired; use parallel.impl=scratch or torch"
         if self.impl == "torch" and self.dp > 1:

@@ -278,7 +278,6 @@ def test_hsdp_checkpoints(runs, further, tmp_path, saver, loader):
     (["parallel=ddp", "parallel.dp_shard=2", "parallel.dp_replicate=null"],
      "replicates FSDP's shards (HSDP), but parallel.data=ddp"),
     (["parallel=hsdp"], "how many a node has is unknown here"),
-    (["parallel=hsdp", "parallel.dp_shard=1", "parallel.tp=2"], "HSDP beside tensor parallelism is not built yet"),
     (["parallel=hsdp", "parallel.dp_shard=0"], "parallel.dp_shard=0 must be at least 1"),
 ])
 def test_bad_hsdp_settings(tmp_path, overrides, message):

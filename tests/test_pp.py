@@ -278,8 +278,6 @@ def test_executor_runs_the_list():
     (("parallel=pp", "parallel.pp=2", "parallel.data=fsdp", "parallel.pp_schedule=interleaved_1f1b",
       "parallel.blocks_per_unit=4", "model.n_layer=8", "train.global_batch_size=16", "train.micro_batch_size=2"), 4,
      "an FSDP unit must not span two"),
-    (("parallel=pp", "parallel.pp=2", "parallel.tp=2", "parallel.cp=2", "parallel.data=ddp", "train.seq_len=64"), 8,
-     "both parallel.tp > 1 and parallel.cp > 1 is not built yet"),
 ])
 def test_bad_pp_settings(tmp_path, overrides, world, message):
     assert_refused(tmp_path, overrides, world, message)
