@@ -19,7 +19,9 @@ A schedule is a list of actions per rank, (kind, chunk, micro-batch), kind F (fo
 weight gradients; under zero_bubble only the input gradient, what the previous stage waits for) and W (the
 weight gradients, deferred). `schedule()` builds them, `simulate()` times them with unit costs (the bubble, the
 Gantt chart of tools/pp_schedule.py), and `Pipeline.step` runs one: before each action it posts, in one batch, the
-sends of the action before and the receive the action after needs, so activations travel while it computes.
+sends of the action before it and its own receive (`p2p_program`), the order NCCL needs: it runs a rank's batches
+in order on one stream, and a receive posted ahead of sends a peer is waiting for hangs both (`p2p_hang` plays that
+model; the sends still travel while the next forward or backward computes).
 Beside data parallelism over dp, every backward of the schedule runs under the data strategy's no_sync and the
 strategy reduces once after the schedule (`reduce_grads`): its gradient communication then follows the step's
 backward instead of overlapping the last one, which no single backward could start under interleaving anyway.
@@ -36,6 +38,7 @@ order tensor parallel or FSDP materialize it. The stage keeps single's parameter
 so checkpoints reshard between pp and every other layout by name (checkpoint.py).
 """
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -194,6 +197,90 @@ def peak_in_flight(actions):
     return peak
 
 
+# --- point-to-point: what each action sends and receives, when a rank posts it, and NCCL's order
+def messages(action, rank, p, v=1):
+    """(the message this action receives before it runs or None, [the messages it sends once it has run]); a message
+    is (kind, the stage it goes to, micro-batch): a forward's activation to the next stage, a backward's input
+    gradient to the previous one."""
+    kind, chunk, i = action
+    s, last = virtual(rank, chunk, p), p * v - 1
+    if kind == F:
+        return ((F, s, i) if s > 0 else None), ([(F, s + 1, i)] if s < last else [])
+    if kind == B:
+        return ((B, s, i) if s < last else None), ([(B, s - 1, i)] if s > 0 else [])
+    return None, []
+
+
+def p2p_program(schedule_, rank, p, v=1):
+    """What `rank` does around its actions, as Pipeline.run does it: [(batch, wait)], one before each of its actions
+    and one after the last; `schedule_`: every rank's actions. Each batch holds the sends of the action before it
+    and the receives of every message sent to this rank by then on the schedule's timeline (simulate's unit costs);
+    the rank waits for all it has posted before an action that receives. Every pair of ranks then meets its
+    messages in one order on both ends, that of the time they are sent, which NCCL needs: it runs a rank's batches
+    in order on one stream, and a send finishes only once its receive is running (`p2p_hang` plays that model;
+    posting each receive just before the action that needs it hangs every schedule, interleaving worst)."""
+    return _p2p_program(tuple(tuple(a) for a in schedule_), rank, p, v)
+
+
+@functools.lru_cache(maxsize=256)
+def _p2p_program(schedule_, rank, p, v):
+    times = simulate(schedule_, v)
+    sent = sorted((end, m) for r, ts in enumerate(times) for _, end, a in ts for m in messages(a, r, p, v)[1])
+    mine = [(t, m) for t, m in sent if m[1] % p == rank]  # the messages this rank receives, by when they are sent
+    program, pending, k = [], [], 0
+    for start, _, action in times[rank]:
+        recv, sends = messages(action, rank, p, v)
+        batch = [("send", m) for m in pending]
+        while k < len(mine) and mine[k][0] <= start:
+            batch.append(("recv", mine[k][1]))
+            k += 1
+        program.append((batch, recv is not None))
+        pending = sends
+    program.append(([("send", m) for m in pending] + [("recv", m) for _, m in mine[k:]], True))
+    return program
+
+
+def p2p_hang(programs, p):
+    """None if every rank's program runs to its end under NCCL's ordering, else the ranks' stuck batches (one line).
+    The model: a rank posts its batches in program order, and stops at a wait until everything it posted has
+    finished; each rank's posted batches run one at a time, in order; an op of the running batch completes when the
+    peer's running batch holds its match (a send of message m to its stage's rank, a receive of m)."""
+    def peer(op, rank):  # the rank on the other end of op, from the message's destination stage
+        kind, stage, _ = op[1]
+        dest = stage % p
+        if op[0] == "send":
+            return dest
+        return (stage - 1 if kind == F else stage + 1) % p
+    n = len(programs)
+    step, waiting = [0] * n, [False] * n  # the next program entry to post; stopped at a wait
+    queue = [[] for _ in programs]  # each rank's posted batches not yet finished, oldest first: {ops left}
+    progressed = True
+    while progressed:
+        progressed = False
+        for r, prog in enumerate(programs):  # post until a wait with something still in flight
+            while step[r] < len(prog) and not (waiting[r] and queue[r]):
+                batch, waiting[r] = prog[step[r]]
+                if batch:
+                    queue[r].append(set(batch))
+                step[r] += 1
+                progressed = True
+        for r in range(n):  # the running batches' ops that meet their match in the peer's running batch
+            for op in list(queue[r][0]) if queue[r] else []:
+                q, match = peer(op, r), ("recv" if op[0] == "send" else "send", op[1])
+                if queue[q] and match in queue[q][0]:
+                    queue[r][0].discard(op)
+                    queue[q][0].discard(match)
+                    progressed = True
+            for k in range(n):
+                while queue[k] and not queue[k][0]:
+                    queue[k].pop(0)
+    stuck = {r: sorted(queue[r][0]) for r in range(n) if queue[r]}
+    unposted = [r for r, prog in enumerate(programs) if step[r] < len(prog)]
+    if stuck or unposted:
+        return f"p2p hangs: running batches {stuck}, ranks {unposted} never reach the end of their programs"
+    return None
+
+
 # --- building a rank's stages from the meta device
 def _generator(device):
     d = torch.device(device)
@@ -285,61 +372,56 @@ class Pipeline:
     def _tag(self, kind, stage, micro):
         return (micro * self.pp * self.v + stage) * 2 + (kind != F)  # gloo matches by tag; NCCL by order
 
-    def _needs(self, action, shape):
-        """(peer, tag, buffer) this action receives before it runs, or None."""
-        kind, chunk, i = action
-        s = self._stage(chunk)
-        if kind == F and s > 0:
-            return self._peer(s - 1), self._tag(F, s, i), torch.empty(shape, dtype=self.dtype, device=self.device)
-        if kind == B and s < self.pp * self.v - 1:
-            return self._peer(s + 1), self._tag(B, s, i), torch.empty(shape, dtype=self.dtype, device=self.device)
-        return None
-
-    def _post(self, sends, recv):
+    def _post(self, sends, recvs):
         ops = [dist.P2POp(dist.isend, t, peer, self.group, tag) for peer, tag, t in sends]
-        if recv is not None:
-            ops.append(dist.P2POp(dist.irecv, recv[2], recv[0], self.group, recv[1]))
+        ops += [dist.P2POp(dist.irecv, t, peer, self.group, tag) for peer, tag, t in recvs]
         return dist.batch_isend_irecv(ops) if ops else []
 
     # --- running a schedule
-    def run(self, actions, x, y, shape, accum=1, train=True):
-        """Run `actions` over micro-batches x[i], y[i]; returns this rank's summed loss (zero off the last stage)."""
+    def run(self, schedule_, x, y, shape, accum=1, train=True):
+        """Run this rank's actions of `schedule_` (every rank's) over micro-batches x[i], y[i]; returns this rank's
+        summed loss (zero off the last stage)."""
+        actions = schedule_[self.rank]
         last_stage = self.pp * self.v - 1
         grads_in = W if any(a[0] == W for a in actions) else B
         held = {}  # (chunk, micro) -> (input, output[, output gradient])
         loss_sum = torch.zeros((), device=self.device)
-        sends, works = [], []  # works: every send and receive posted, oldest first
-        recv = self._needs(actions[0], shape) if actions else None
-        works += self._post([], recv)
-        for n, action in enumerate(actions):
-            kind, chunk, i = action
-            s = self._stage(chunk)
-            # this action's receive was posted one action ago; post the next one's with the last action's sends
-            here, recv = recv, self._needs(actions[n + 1], shape) if n + 1 < len(actions) else None
-            posted = self._post(sends, recv)
-            if here is not None:
-                # wait in the order posted, up to this action's receive (gloo: one work per op; a send it left
-                # unwaited once a later receive on the pair has completed never completes)
-                for w in works:
+        outbox, works = {}, []  # outbox: message -> the tensor to send; works: what is posted, oldest first
+        inbox = {}  # message -> its receive buffer, posted (p2p_program says when)
+        for n, (batch, wait) in enumerate(p2p_program(schedule_, self.rank, self.pp, self.v)):
+            # the previous action's sends and the receives due by now: one batch, in the order NCCL needs
+            sends = [(self._peer(m[1]), self._tag(*m), outbox.pop(m)) for op, m in batch if op == "send"]
+            recvs = [m for op, m in batch if op == "recv"]
+            for m in recvs:
+                inbox[m] = torch.empty(shape, dtype=self.dtype, device=self.device)
+            works += self._post(sends, [(self._peer(m[1] - 1 if m[0] == F else m[1] + 1), self._tag(*m), inbox[m])
+                                        for m in recvs])
+            if wait:  # wait in the order posted (gloo: one work per op; a send it left unwaited once a later
+                for w in works:  # receive on the pair has completed never completes)
                     w.wait()
                 works = []
-            works, sends = works + posted, []
+            if n == len(actions):
+                break
+            kind, chunk, i = action = actions[n]
+            s = self._stage(chunk)
             self.log.append(action)
+            needed = messages(action, self.rank, self.pp, self.v)[0]
+            here = inbox.pop(needed) if needed else None
             if kind == F:
-                inp = here[2].requires_grad_(train) if s > 0 else x[i]
+                inp = here.requires_grad_(train) if s > 0 else x[i]
                 out = self.call(inp, y[i] if s == last_stage else None, chunk=chunk, positions=self.positions)
                 if s == last_stage:
                     loss_sum += out.detach()
                     out = out / accum  # each micro-batch weighs 1/accum, as in single's accumulation
                 else:
-                    sends.append((self._peer(s + 1), self._tag(F, s + 1, i), out.detach()))
+                    outbox[F, s + 1, i] = out.detach()
                 if train:
                     held[chunk, i] = (inp, out)
                     self.peak = max(self.peak, len(held))
                 continue
             if kind == B:  # the output's gradient: received from the next stage, or none (the loss)
                 inp, out = held.pop((chunk, i))[:2]
-                grad = here[2] if here is not None else None
+                grad = here
             else:
                 inp, out, grad = held.pop((chunk, i))
             g = None
@@ -352,10 +434,7 @@ class Pipeline:
             else:  # W: the weight gradients, through the kept graph
                 torch.autograd.backward(out, grad, inputs=self.params)
             if g is not None:
-                sends.append((self._peer(s - 1), self._tag(B, s - 1, i), g))
-        works += self._post(sends, None)
-        for w in works:
-            w.wait()
+                outbox[B, s - 1, i] = g
         return loss_sum
 
     def step(self, x, y, accum, micro):
@@ -366,7 +445,7 @@ class Pipeline:
         xs, ys = x.split(micro), y.split(micro)
         self.log = []
         self.params = [q for q in self.model.parameters() if q.requires_grad]  # W's (FSDP swaps parameters)
-        actions = schedule(self.name, self.pp, accum, self.v)[self.rank]
+        actions = schedule(self.name, self.pp, accum, self.v)
         # every backward accumulates locally, and the data strategy reduces once the schedule is over: no backward
         # of an interleaved schedule covers all of a rank's chunks, and the one that comes last differs by rank
         with self.no_sync():
@@ -415,7 +494,8 @@ class Pipeline:
         """The loss of one batch on the last stage, zero on the others (train.evaluate sums over ranks)."""
         x, y = self._cp_split(x, y)
         with torch.no_grad():
-            return self.run([(F, c, 0) for c in range(self.v)], [x], [y], self._shape(x, x.size(0)), train=False)
+            return self.run([[(F, c, 0) for c in range(self.v)]] * self.pp, [x], [y], self._shape(x, x.size(0)),
+                            train=False)
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens):

@@ -8,7 +8,7 @@
 - Adam's `step` after a resume lives where the optimizer keeps it: on the parameter's device when fused.
 - Two "nodes" on this machine: their local ranks 0 prepare one shared data cache at once without a crash, and a run
   whose nodes don't share train.out_dir is refused in one line before it writes anything.
-(The pipeline's p2p order is proven in tests/test_pp.py.)
+- The pipeline's p2p: every schedule, posted as Pipeline.run posts it, runs to its end in NCCL's order.
 """
 import json
 import os
@@ -187,3 +187,40 @@ def test_cache_replace_lost_to_another_node(tmp_path, monkeypatch):
     monkeypatch.setattr(prepare, "write_split", other_node_first)
     out = prepare.prepare(cfg.data, cfg.data.cache_dir, log=lambda *a: None)
     assert os.listdir(tmp_path) == [os.path.basename(out)]  # ours dropped, no tmp folder left
+
+
+SCHEDULES = [(name, p, m, v) for name in ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble") for p in (2, 4, 8)
+             for m in range(1, 17) for v in ((2, 3) if name == "interleaved_1f1b" else (1,))
+             if name != "interleaved_1f1b" or m % p == 0]
+
+
+def posted_before_2026_12(actions, rank, p, v):
+    """The posting order Pipeline.run had until 2026-12-01: before each action, the sends of the action before it
+    with the receive of the action after it (the receive for the first action posted alone, first)."""
+    from parallel import pp
+    recv_of = [pp.messages(a, rank, p, v)[0] for a in actions]
+    program = [([("recv", recv_of[0])] if actions and recv_of[0] else [], False)]
+    pending = []
+    for n, a in enumerate(actions):
+        nxt = recv_of[n + 1] if n + 1 < len(actions) else None
+        program.append(([("send", m) for m in pending] + ([("recv", nxt)] if nxt else []), recv_of[n] is not None))
+        pending = pp.messages(a, rank, p, v)[1]
+    program.append(([("send", m) for m in pending], True))
+    return program
+
+
+def test_pipeline_p2p_runs_to_the_end_in_nccl_order():
+    """Every schedule at pp 2, 4 and 8, with 1 to 16 micro-batches and v 1 to 3, posted as Pipeline.run posts it
+    (pp.p2p_program), runs to its end when each rank's batches complete in order and a send completes only against
+    its running receive (pp.p2p_hang). The same player shows the posting order before 2026-12-01 hanging."""
+    from parallel import pp
+    for name, p, m, v in SCHEDULES:
+        actions = pp.schedule(name, p, m, v)
+        assert pp.p2p_hang([pp.p2p_program(actions, r, p, v) for r in range(p)], p) is None, (name, p, m, v)
+    hangs = {}
+    for name, p, m, v in SCHEDULES:
+        actions = pp.schedule(name, p, m, v)
+        old = pp.p2p_hang([posted_before_2026_12(actions[r], r, p, v) for r in range(p)], p)
+        hangs.setdefault(name, []).append(old is not None)
+    assert all(any(h) for h in hangs.values()), {k: sum(h) for k, h in hangs.items()}
+    print({k: f"{sum(h)}/{len(h)} hang" for k, h in hangs.items()})
