@@ -29,12 +29,14 @@ class Metrics:
     """On rank 0, every record goes to metrics.jsonl and W&B; on other ranks every call does nothing."""
 
     def __init__(self, cfg, run_dir, rank, wandb_id=None):
-        self.on, self.id = rank == 0, None
+        self.on, self.id, self.wandb = rank == 0, None, None
         if not self.on:
             return
-        import wandb
         self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a")  # a resumed run adds to the same file
         lg = cfg.logger
+        if lg.mode == "disabled":  # no W&B at all: it need not even be installed (a bare GPU image)
+            return
+        import wandb
         self.wandb = wandb.init(project=lg.project, group=lg.group, name=lg.name, mode=lg.mode, dir=run_dir,
                                 config=OmegaConf.to_container(cfg, resolve=True),
                                 settings=wandb.Settings(console="off", quiet=True),
@@ -45,12 +47,14 @@ class Metrics:
         if self.on:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
-            self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+            if self.wandb is not None:
+                self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
     def close(self):
         if self.on:
             self.file.close()
-            self.wandb.finish()
+            if self.wandb is not None:
+                self.wandb.finish()
 
 
 def mfu_peak(peak_tflops, device):

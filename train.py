@@ -117,6 +117,7 @@ def run(cfg, run_dir):
     if device == "cuda":  # before the process group: NCCL binds each rank to its own GPU (SLURM may show each
         device = f"cuda:{local_rank % torch.cuda.device_count()}"  # task only its own: cuda:0)
         torch.cuda.set_device(device)
+        torch.set_float32_matmul_precision("high")  # TF32 for what runs in float32 (its matmuls), as is usual
     print0 = print if rank == 0 else (lambda *a, **k: None)
     t, o = cfg.train, cfg.optim
 
@@ -212,6 +213,8 @@ def run(cfg, run_dir):
             # each dp group takes its slice of the global batch; the cp and tp ranks within it take the same one
             x, y = shards.get_batch(train_tokens, "train", t.seed, step - 1, t.global_batch_size, t.seq_len,
                                     par.dp_rank, par.dims["dp"])
+            if device.startswith("cuda"):  # non_blocking copies are asynchronous only from pinned memory
+                x, y = x.pin_memory(), y.pin_memory()
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             loss_sum, grad_norm = train_step(par, x, y, accum, t.micro_batch_size, autocast, max_norm)
             comm_bytes, comm_by_dim = comm.bytes, dict(comm.by_dim)
