@@ -48,6 +48,7 @@ class Train:
     max_steps: int = at_least(1)
     eval_every: int = at_least(1)
     eval_steps: int = at_least(1)
+    eval_batch_size: Optional[int] = at_least(1)
     log_every: int = at_least(1)
     seed: int = MISSING
     dtype: str = choice("auto", "float32", "bfloat16")
@@ -285,6 +286,11 @@ def check(cfg, world):
         raise ConfigError(problem)
     if t.compile and compile_problem(device):
         raise ConfigError(compile_problem(device))
+    eval_batch = t.eval_batch_size or t.global_batch_size
+    if eval_batch % (t.micro_batch_size * layout.dp):
+        raise ConfigError(f"train.eval_batch_size={eval_batch} is not divisible by micro_batch_size "
+                          f"({t.micro_batch_size}) x data-parallel ranks ({layout.dp}): each rank evaluates its share "
+                          f"of every val batch in micro-batches")
     if t.seq_len > cfg.model.block_size:
         raise ConfigError(f"train.seq_len={t.seq_len} is longer than the model's context "
                           f"(model.block_size={cfg.model.block_size})")

@@ -95,18 +95,20 @@ def train_step(par, x, y, accum, micro_batch_size, autocast, max_norm):
 
 @torch.no_grad()
 def evaluate(par, val, t, autocast, rank, world):
-    """Mean loss over eval_steps fixed val batches (the same ones at every evaluation), averaged over ranks."""
+    """Mean loss over eval_steps fixed val batches of eval_batch_size sequences (the same ones at every evaluation,
+    in every layout: each data-parallel rank takes its slice of each, in micro-batches), averaged over ranks."""
     par.model.eval()
-    dp = par.dims["dp"]
+    dp, batch = par.dims["dp"], t.eval_batch_size or t.global_batch_size
+    chunks = batch // (t.micro_batch_size * dp)  # equal micro-batches: the mean of their means is the batch's
     total = torch.zeros((), device=par.device)
     for i in range(t.eval_steps):
-        x, y = shards.get_batch(val, "val", t.seed, i, t.micro_batch_size * dp, t.seq_len, par.dp_rank, dp)
-        x, y = x.to(par.device), y.to(par.device)
-        with autocast, par.loss_context():  # a pipeline's last stage holds the loss, the others zero
-            total += (par.pipeline.evaluate(x, y) if par.pipeline else par.model(x, y)).float()
+        xs, ys = shards.get_batch(val, "val", t.seed, i, batch, t.seq_len, par.dp_rank, dp)
+        for x, y in zip(xs.to(par.device).split(t.micro_batch_size), ys.to(par.device).split(t.micro_batch_size)):
+            with autocast, par.loss_context():  # a pipeline's last stage holds the loss, the others zero
+                total += (par.pipeline.evaluate(x, y) if par.pipeline else par.model(x, y)).float()
     par.data.reshard()  # a forward without backward may leave sharded parameters gathered
     par.model.train()
-    return par.global_loss(total, t.eval_steps)  # the mean over the ranks that hold a loss
+    return par.global_loss(total, t.eval_steps * chunks)  # the mean over the ranks that hold a loss
 
 
 def run(cfg, run_dir):

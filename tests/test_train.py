@@ -90,6 +90,7 @@ def bad(tmp_path, *overrides):
     (["train.compile=maybe"], "train.compile='maybe': expected true or false"),
     (["train.device=tpu"], "train.device='tpu': expected auto, cpu or cuda"),
     (["data.val_fraction=1.5"], "data.val_fraction=1.5 must be below 1"),
+    (["train.eval_batch_size=6"], "train.eval_batch_size=6 is not divisible by micro_batch_size (4)"),
 ])
 def test_bad_settings(tmp_path, overrides, message):
     assert message in bad(tmp_path, *overrides)
@@ -139,3 +140,18 @@ def test_cli_errors_are_one_line(tmp_path):
     p = cli("model=gpt_huge", cwd=tmp_path)  # an unknown group option: Hydra says so, listing the choices
     assert p.returncode != 0 and "Could not find 'model/gpt_huge'" in p.stderr and "gpt_tiny" in p.stderr
     assert not (tmp_path / "outputs").exists()
+
+
+def test_val_loss_is_one_quantity(tmp_path):
+    """The validation set is eval_steps batches of eval_batch_size sequences whatever the micro-batch (and, in the
+    equivalence tests, the layout): micro-batches of 1, 2 or 4 give one val loss, and the default is the global
+    batch."""
+    vals = []
+    for micro in (1, 2, 4):
+        run_dir = str(tmp_path / f"m{micro}")
+        train.run(make_cfg(*small_run("train.max_steps=1", f"train.micro_batch_size={micro}")), run_dir)
+        vals.append([r["val_loss"] for r in read_metrics(run_dir) if "val_loss" in r])
+    assert vals[0] == pytest.approx(vals[1], rel=1e-6) and vals[0] == pytest.approx(vals[2], rel=1e-6), vals
+    other = str(tmp_path / "eval4")  # another eval batch is another validation set
+    train.run(make_cfg(*small_run("train.max_steps=1", "train.eval_batch_size=4")), other)
+    assert [r["val_loss"] for r in read_metrics(other) if "val_loss" in r][0] != pytest.approx(vals[2][0], rel=1e-4)
