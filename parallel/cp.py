@@ -29,8 +29,9 @@ tokens. Attention needs every earlier token's key and value, and that is all tha
   Llama 3's choice.
 
   Memory per rank: activations of T/cp tokens (1/cp of one process's); the ring holds two K, V blocks at a time;
-  the all-gather keeps the whole sequence's K, V in every layer for backward. This file computes each block's
-  scores explicitly, (B, H, 2C, 2C) floats at a time, where a flash kernel would keep tiles.
+  the all-gather keeps the whole sequence's K, V in every layer for backward. Each block runs in a fused attention
+  kernel that returns its log-sum-exp (on a CPU aten's flash kernel, forward and backward, in the activations'
+  dtype): tiles, never a (2C)^2 scores tensor; the partial outputs merge in float32.
   Communication per layer and step (bytes of K and V of one rank, kv = 2 B (T/cp) d x element size):
     ring       forward (cp - 1) hops of kv; backward (cp - 1) of kv and (cp - 1) of dK, dV (float32). Each hop is a
                send and a receive; parallel/comm.py counts both, as p2p on the "cp" dimension.
@@ -81,9 +82,24 @@ def block(rank, src, chunk):
     return slice(chunk, None), slice(None), False
 
 
-# --- one block of attention, and its backward (float32, on any device)
+# --- one block of attention, and its backward: a fused kernel that returns the log-sum-exp
+# On a CPU, aten's flash kernel for the CPU (the one F.scaled_dot_product_attention runs there), forward and
+# backward: tiles, never the (Tq, Tk) scores, in the compute dtype with float32 accumulation. Its backward takes the
+# output and lse of the *merged* attention, so each block's probabilities are exp(s - lse) under the final softmax
+# and blocks need nothing from each other (flash attention's backward, split by key blocks). Elsewhere (the GPU's
+# flash and memory-efficient kernels take more bookkeeping, not yet wired or run): the same math written out, in
+# float32, (Tq, Tk) scores a block.
+def fused(q):
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+
+
 def attention_block(q, k, v, causal):
-    """Softmax attention of q to k, v, and its log-sum-exp per query: (out (B, H, Tq, D), lse (B, H, Tq))."""
+    """Softmax attention of q to k, v and its log-sum-exp per query: (out (B, H, Tq, D) float32, lse (B, H, Tq)
+    float32). `causal`: q and k are the same positions (the diagonal block), each query sees itself and earlier."""
+    if fused(q):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+        return out.float(), lse
+    q, k, v = q.float(), k.float(), v.float()
     s = (q @ k.transpose(-2, -1)) * q.size(-1) ** -0.5
     if causal:
         s = s.masked_fill(_future(s), float("-inf"))
@@ -91,14 +107,20 @@ def attention_block(q, k, v, causal):
     return (s - lse[..., None]).exp() @ v, lse
 
 
-def attention_block_backward(q, k, v, dout, lse, delta, causal):
-    """Gradients of one block (dq, dk, dv), given the merged output's lse and delta = rowsum(dout * out): the
-    block's probabilities under the final softmax are exp(s - lse), so blocks need nothing from each other."""
+def attention_block_backward(q, k, v, out, dout, lse, causal):
+    """Gradients (dq, dk, dv) of one block, float32, given the merged attention's output and lse for these
+    queries (out and dout in q's dtype, lse float32)."""
+    if fused(q):
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0,
+                                                                                   causal)
+        return tuple(g.float() for g in grads)
+    q, k, v, out, dout = q.float(), k.float(), v.float(), out.float(), dout.float()
     scale = q.size(-1) ** -0.5
     s = (q @ k.transpose(-2, -1)) * scale
     if causal:
         s = s.masked_fill(_future(s), float("-inf"))
     p = (s - lse[..., None]).exp()
+    delta = (dout * out).sum(-1)
     ds = p * (dout @ v.transpose(-2, -1) - delta[..., None])
     return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, p.transpose(-2, -1) @ dout
 
@@ -108,7 +130,7 @@ def _future(s):
 
 
 def merge(out, lse, out_b, lse_b):
-    """Fold a block's (out_b, lse_b) into the running (out, lse) of the same queries, in place."""
+    """Fold a block's (out_b, lse_b) into the running (out, lse) of the same queries, in place, in float32."""
     new = torch.logaddexp(lse, lse_b)
     out.mul_((lse - new).exp()[..., None]).add_(out_b * (lse_b - new).exp()[..., None])
     lse.copy_(new)
@@ -134,18 +156,19 @@ class Ring:
             w.wait()
 
 
-def forward_block(q32, kv, rank, src, out, lse):
-    """Fold this rank's queries' attention to rank src's K, V (kv: (2, B, H, 2C, D)) into (out, lse)."""
-    qs, ks, causal = block(rank, src, q32.size(2) // 2)
-    out_b, lse_b = attention_block(q32[:, :, qs], kv[0][:, :, ks].float(), kv[1][:, :, ks].float(), causal)
+def forward_block(q, kv, rank, src, out, lse):
+    """Fold this rank's queries' attention to rank src's K, V (kv: (2, B, H, 2C, D)) into (out, lse), float32."""
+    qs, ks, causal = block(rank, src, q.size(2) // 2)
+    out_b, lse_b = attention_block(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], causal)
     merge(out[:, :, qs], lse[:, :, qs], out_b, lse_b)
 
 
-def backward_block(q32, kv, dout, lse, delta, rank, src, dq):
-    """Add this block's part of dq into dq; return its part of rank src's dK, dV, (2, B, H, 2C, D) float32."""
-    qs, ks, causal = block(rank, src, q32.size(2) // 2)
-    dq_b, dk_b, dv_b = attention_block_backward(q32[:, :, qs], kv[0][:, :, ks].float(), kv[1][:, :, ks].float(),
-                                                dout[:, :, qs], lse[:, :, qs], delta[:, :, qs], causal)
+def backward_block(q, kv, out, dout, lse, rank, src, dq):
+    """Add this block's part of dq into dq (float32); return its part of rank src's dK, dV, (2, B, H, 2C, D)
+    float32. out, dout: the merged attention's output and its gradient, in q's dtype."""
+    qs, ks, causal = block(rank, src, q.size(2) // 2)
+    dq_b, dk_b, dv_b = attention_block_backward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], out[:, :, qs],
+                                                dout[:, :, qs], lse[:, :, qs], causal)
     dq[:, :, qs] += dq_b
     g = torch.zeros_like(kv, dtype=torch.float32)
     g[0][:, :, ks], g[1][:, :, ks] = dk_b, dv_b
@@ -158,36 +181,35 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group):
         ring = Ring(group)
-        with torch.autocast(q.device.type, enabled=False):
-            q32 = q.float()
+        with torch.autocast(q.device.type, enabled=False):  # blocks in the activations' dtype, merged in float32
             kv = torch.stack([k, v])  # one message per hop, in the activations' dtype
             out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
             lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
             for s in range(ring.size):
                 if s + 1 < ring.size:  # the next block travels while this one is computed
                     incoming, works = ring.pass_on(kv)
-                forward_block(q32, kv, ring.rank, (ring.rank - s) % ring.size, out, lse)
+                forward_block(q, kv, ring.rank, (ring.rank - s) % ring.size, out, lse)
                 if s + 1 < ring.size:
                     ring.wait(works)
                     kv = incoming
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group = group
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring = Ring(ctx.group)
         n, rank = ring.size, ring.rank
-        q32, dout = q.float(), dout.float()
-        delta = (dout * out).sum(-1)
-        dq = torch.zeros_like(q32)
+        dout = dout.to(q.dtype).contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         own = travelling = acc_works = None
         for s in range(n):
             if s + 1 < n:
                 incoming, works = ring.pass_on(kv)
-            g = backward_block(q32, kv, dout, lse, delta, rank, (rank - s) % n, dq)  # of the block held
+            g = backward_block(q, kv, out, dout, lse, rank, (rank - s) % n, dq)  # of the block held
             if s == 0:
                 own = g  # kept here; the other ranks' parts come back round the ring at the end
             else:
@@ -218,24 +240,23 @@ class AllGatherAttention(torch.autograd.Function):
             gathered = torch.empty((n * 2,) + kv.shape[1:], dtype=kv.dtype, device=kv.device)
             comm.all_gather_single(gathered, kv, group=group)
             gathered = gathered.view(n, *kv.shape)  # rank r's K, V at [r]
-            q32 = q.float()
             out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
             lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
             for s in range(n):  # the ring's order, so the merge rounds alike
                 src = (rank - s) % n
-                forward_block(q32, gathered[src], rank, src, out, lse)
+                forward_block(q, gathered[src], rank, src, out, lse)
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, gathered, out, lse)
         ctx.group = group
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         q, gathered, out, lse = ctx.saved_tensors
         n, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        q32, dout = q.float(), dout.float()
-        delta = (dout * out).sum(-1)
-        dq = torch.zeros_like(q32)
-        grads = torch.stack([backward_block(q32, gathered[src], dout, lse, delta, rank, src, dq) for src in range(n)])
+        dout = dout.to(q.dtype).contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        grads = torch.stack([backward_block(q, gathered[src], out, dout, lse, rank, src, dq) for src in range(n)])
         own = torch.empty(grads.shape[1:], dtype=torch.float32, device=q.device)
         comm.reduce_scatter_single(own, grads.view((n * 2,) + grads.shape[2:]), group=ctx.group)
         return dq.to(q.dtype), own[0].to(q.dtype), own[1].to(q.dtype), None
