@@ -56,7 +56,7 @@ class Train:
     compile: bool = MISSING
     profile: bool = MISSING
     peak_tflops: Optional[float] = field(default=None, metadata={"gt": 0})
-    activation_checkpointing: str = choice("none", "full", "every_n")
+    activation_checkpointing: str = choice("none", "full", "every_n", "selective")
     ac_every: int = at_least(1)
     out_dir: str = MISSING
     resume: Optional[str] = MISSING

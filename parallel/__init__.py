@@ -141,17 +141,36 @@ def parallelize(model, layout, p, mesh, make_optimizer, device, train):
                         pipeline, p.param_dtype)
 
 
+# What selective checkpointing keeps: the outputs of the ops that cost FLOPs (matmuls, attention kernels); the rest
+# of a block (norms, activations, RoPE, residual adds: memory-bound) is recomputed in backward (Korthikanti et al.,
+# 2022, "Reducing Activation Recomputation in Large Transformer Models", sec. 4: recompute what is cheap)
+SELECTIVE_SAVE = tuple(getattr(torch.ops.aten, name).default for name in (
+    "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    if hasattr(torch.ops.aten, name))
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+    return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def apply_activation_checkpointing(model, mode, every=1):
     """Recompute blocks' activations in backward instead of storing them (torch.utils.checkpoint, non-reentrant):
-    mode full = every block, every_n = every `every`-th block, none = off. Each checkpointed block keeps only its
-    input for backward; the cost is one more forward of it."""
-    from torch.utils.checkpoint import checkpoint
+    mode full = every block, every_n = every `every`-th block, none = off: each checkpointed block keeps only its
+    input for backward, and costs one more forward. selective = every block keeps its matmuls' and attention's
+    outputs and recomputes the rest (torch.utils.checkpoint's selective checkpoint contexts, SELECTIVE_SAVE)."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
     if mode == "none":
         return model
+    kw = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _selective_policy)} \
+        if mode == "selective" else {}
     for i, block in enumerate(model.blocks):
-        if mode == "full" or i % every == 0:
+        if mode in ("full", "selective") or i % every == 0:
             # patch the instance's forward, not __call__: module hooks (FSDP's gathers) still run around it
-            block.forward = (lambda fwd: lambda *a: checkpoint(fwd, *a, use_reentrant=False))(block.forward)
+            block.forward = (lambda fwd: lambda *a: checkpoint(fwd, *a, use_reentrant=False, **kw))(block.forward)
     return model
 
 

@@ -155,3 +155,43 @@ def test_val_loss_is_one_quantity(tmp_path):
     other = str(tmp_path / "eval4")  # another eval batch is another validation set
     train.run(make_cfg(*small_run("train.max_steps=1", "train.eval_batch_size=4")), other)
     assert [r["val_loss"] for r in read_metrics(other) if "val_loss" in r][0] != pytest.approx(vals[2][0], rel=1e-4)
+
+
+def test_selective_checkpointing_recomputes_the_cheap_ops(tmp_path):
+    """train.activation_checkpointing=selective: the losses and gradient norms of none, and in between none and full
+    in what autograd keeps (the matmuls' and attention's outputs saved, norms, activations and RoPE recomputed)."""
+    import torch
+
+    import parallel
+    from model import GPT
+    from tools.cp_memory import saved_bytes
+    runs = {}
+    for mode in ("none", "selective"):
+        runs[mode] = str(tmp_path / mode)
+        train.run(make_cfg(*small_run("train.max_steps=3", f"train.activation_checkpointing={mode}")), runs[mode])
+    steps = [[(r["loss"], r["grad_norm"]) for r in read_metrics(runs[m]) if "loss" in r] for m in runs]
+    assert steps[0] == steps[1], steps
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):  # every aten op a forward and backward runs, by name
+        def __init__(self):
+            super().__init__()
+            self.n = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n[func.__name__.split(".")[0]] += 1
+            return func(*args, **(kwargs or {}))
+    ran = {}
+    for mode in ("none", "selective", "full"):
+        torch.manual_seed(0)
+        model = GPT(config.model_config(make_cfg(*small_run()), 512))
+        parallel.apply_activation_checkpointing(model, mode)
+        idx = torch.randint(0, 512, (2, 64))
+        with Ops() as ops:
+            model(idx, idx).backward()
+        ran[mode] = ops.n
+    # selective runs no matmul twice (their outputs are kept) but reruns the norms' (rsqrt) in backward; full reruns both
+    assert ran["selective"]["mm"] == ran["none"]["mm"] < ran["full"]["mm"], {m: ran[m]["mm"] for m in ran}
+    assert ran["none"]["rsqrt"] < ran["selective"]["rsqrt"] == ran["full"]["rsqrt"], {m: ran[m]["rsqrt"] for m in ran}
