@@ -11,6 +11,7 @@ The parallel layout (the mesh's degrees, the data strategy, the implementation) 
 parallel/layout.py, the one rule book that train.py, the planner and the dry run share; `check` applies it here.
 """
 import dataclasses
+import functools
 import shutil
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -164,18 +165,30 @@ SCHEMA = {"train": Train, "parallel": Parallel, "model": Model, "optim": Optim, 
 KINDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a string"}
 
 
+@functools.cache
+def _typed(schema):
+    """The schema as a structured config, made once: merges read it and leave it as it is."""
+    return OmegaConf.structured(schema)
+
+
 def validate(cfg):
     """Types, allowed values and ranges of every setting the schema knows; raises ConfigError with one line."""
     for group, schema in SCHEMA.items():
         if group not in cfg:
             continue
-        node, typed = cfg[group], OmegaConf.structured(schema)
-        for f in dataclasses.fields(schema):
-            if f.name not in node or OmegaConf.is_missing(node, f.name):
-                continue  # a group without this setting (optim=sgd has no betas), or a `???` prepare reports
+        node, typed = cfg[group], _typed(schema)
+        # a group without a setting (optim=sgd has no betas), or a `???` that prepare reports, is left alone
+        fields = [f for f in dataclasses.fields(schema) if f.name in node and not OmegaConf.is_missing(node, f.name)]
+        try:  # every type of the group in one merge (each merge copies the group: one per setting costs 10x more)
+            OmegaConf.merge(typed, {f.name: node.get(f.name) for f in fields})
+            wrong_type = False
+        except OmegaConfBaseException:
+            wrong_type = True  # which one: setting by setting below
+        for f in fields:
             key, value = f"{group}.{f.name}", node.get(f.name)
             try:
-                OmegaConf.merge(typed, {f.name: value})
+                if wrong_type:
+                    OmegaConf.merge(typed, {f.name: value})
             except OmegaConfBaseException:
                 kind = f.type.__args__[0] if getattr(f.type, "__args__", None) else f.type  # Optional[int]: int
                 raise ConfigError(f"{key}={value!r}: expected {KINDS.get(kind, 'a list')}") from None
