@@ -11,6 +11,7 @@ The parallel layout (the mesh's degrees, the data strategy, the implementation) 
 parallel/layout.py, the one rule book that train.py, the planner and the dry run share; `check` applies it here.
 """
 import dataclasses
+import functools
 import shutil
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -165,18 +166,30 @@ SCHEMA = {"train": Train, "parallel": Parallel, "model": Model, "optim": Optim, 
 KINDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a string"}
 
 
+@functools.cache
+def _typed(schema):
+    """The schema as a structured config, made once: merges read it and leave it as it is."""
+    return OmegaConf.structured(schema)
+
+
 def validate(cfg):
     """Types, allowed values and ranges of every setting the schema knows; raises ConfigError with one line."""
     for group, schema in SCHEMA.items():
         if group not in cfg:
             continue
-        node, typed = cfg[group], OmegaConf.structured(schema)
-        for f in dataclasses.fields(schema):
-            if f.name not in node or OmegaConf.is_missing(node, f.name):
-                continue  # a group without this setting (optim=sgd has no betas), or a `???` prepare reports
+        node, typed = cfg[group], _typed(schema)
+        # a group without a setting (optim=sgd has no betas), or a `???` that prepare reports, is left alone
+        fields = [f for f in dataclasses.fields(schema) if f.name in node and not OmegaConf.is_missing(node, f.name)]
+        try:  # every type of the group in one merge (each merge copies the group: one per setting costs 10x more)
+            OmegaConf.merge(typed, {f.name: node.get(f.name) for f in fields})
+            wrong_type = False
+        except OmegaConfBaseException:
+            wrong_type = True  # which one: setting by setting below
+        for f in fields:
             key, value = f"{group}.{f.name}", node.get(f.name)
             try:
-                OmegaConf.merge(typed, {f.name: value})
+                if wrong_type:
+                    OmegaConf.merge(typed, {f.name: value})
             except OmegaConfBaseException:
                 kind = f.type.__args__[0] if getattr(f.type, "__args__", None) else f.type  # Optional[int]: int
                 raise ConfigError(f"{key}={value!r}: expected {KINDS.get(kind, 'a list')}") from None
@@ -260,6 +273,47 @@ def bf16_supported(device):
     return torch.ops.mkldnn._is_mkldnn_bf16_supported()  # CPUs with AVX512-BF16/AMX, or emulation that oneDNN trusts
 
 
+def layout_problem(cfg, layout, dtype, cpu_bf16=True, bf16=True):
+    """The rule book's line for `layout` (Layout.problem) with cfg's parallel knobs, model and batch, or None: the
+    one call that config.check and the planner's ranking (tools/plan.py) make. `dtype`: train.dtype resolved;
+    `bf16`, `cpu_bf16`: whether the device, and the CPU, compute in bfloat16."""
+    from data import prepare
+    t = cfg.train
+    return layout.problem(cfg.parallel, model_config(cfg, prepare.vocab_size(cfg.data)), t.seq_len,
+                          t.global_batch_size, t.micro_batch_size, t.compile, dtype, cpu_bf16=cpu_bf16, bf16=bf16)
+
+
+def rules(cfg, world, dtype, cpu_bf16=True, bf16=True):
+    """The run's rules that no device decides: the model's and the optimizer's, the layout's degrees on `world` ranks
+    and the rule book (layout_problem), the sequence against the model's context, the vocabulary against the
+    tokenizer's. Returns the Layout; raises ConfigError with one line. config.check applies them for this device,
+    the planner (tools/plan.py) for the GPUs it plans, so both refuse a run with the same line."""
+    from data import prepare
+    t, m = cfg.train, cfg.model
+    for problem in (check_model(m), check_optim(cfg.optim)):
+        if problem:
+            raise ConfigError(problem)
+    try:
+        layout = Layout.from_config(cfg.parallel, world)
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
+    problem = layout_problem(cfg, layout, dtype, cpu_bf16, bf16)
+    if problem:
+        raise ConfigError(problem)
+    eval_batch = t.eval_batch_size or t.global_batch_size
+    if eval_batch % (t.micro_batch_size * layout.dp):
+        raise ConfigError(f"train.eval_batch_size={eval_batch} is not divisible by micro_batch_size "
+                          f"({t.micro_batch_size}) x data-parallel ranks ({layout.dp}): each rank evaluates its share "
+                          f"of every val batch in micro-batches")
+    if t.seq_len > m.block_size:
+        raise ConfigError(f"train.seq_len={t.seq_len} is longer than the model's context (model.block_size="
+                          f"{m.block_size})")
+    if m.vocab_size is not None and m.vocab_size < prepare.vocab_size(cfg.data):
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's "
+                          f"({prepare.vocab_size(cfg.data)}); leave it null to follow the tokenizer")
+    return layout
+
+
 def check(cfg, world):
     """Everything that can be known wrong before work starts, for `world` ranks; returns (the Layout, device, dtype,
     grad_accum). Raises ConfigError (or data.prepare's DataError) with one line."""
@@ -272,31 +326,9 @@ def check(cfg, world):
     if t.dtype == "bfloat16" and not bf16_supported(device):
         raise ConfigError(f"train.dtype=bfloat16, but this {device} can't compute in bfloat16; use train.dtype=float32")
     dtype = t.dtype if t.dtype != "auto" else ("bfloat16" if device == "cuda" and bf16_supported(device) else "float32")
-    for problem in (check_model(cfg.model), check_optim(cfg.optim)):
-        if problem:
-            raise ConfigError(problem)
-    try:
-        layout = Layout.from_config(cfg.parallel, world)
-    except LayoutError as e:
-        raise ConfigError(str(e)) from None
-    problem = layout.problem(cfg.parallel, model_config(cfg, prepare.vocab_size(d)), t.seq_len, t.global_batch_size,
-                             t.micro_batch_size, t.compile, dtype, cpu_bf16=bf16_supported("cpu"),
-                             bf16=bf16_supported(device))
-    if problem:
-        raise ConfigError(problem)
+    layout = rules(cfg, world, dtype, cpu_bf16=bf16_supported("cpu"), bf16=bf16_supported(device))
     if t.compile and compile_problem(device):
         raise ConfigError(compile_problem(device))
-    eval_batch = t.eval_batch_size or t.global_batch_size
-    if eval_batch % (t.micro_batch_size * layout.dp):
-        raise ConfigError(f"train.eval_batch_size={eval_batch} is not divisible by micro_batch_size "
-                          f"({t.micro_batch_size}) x data-parallel ranks ({layout.dp}): each rank evaluates its share "
-                          f"of every val batch in micro-batches")
-    if t.seq_len > cfg.model.block_size:
-        raise ConfigError(f"train.seq_len={t.seq_len} is longer than the model's context "
-                          f"(model.block_size={cfg.model.block_size})")
-    if cfg.model.vocab_size is not None and cfg.model.vocab_size < prepare.vocab_size(d):
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-                          f"({prepare.vocab_size(d)}); leave it null to follow the tokenizer")
     try:
         shards.token_dtype(prepare.vocab_size(d), d.token_dtype)  # vocab too large for the shard dtype
     except ValueError as e:

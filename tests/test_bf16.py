@@ -84,7 +84,7 @@ def assert_tracks(run_dir, ref_dir, tol, what):
 def test_bf16_tracks_float32_and_its_twin(single, runs, strategy, impl):
     run_dir = runs[strategy, impl]
     start = read_metrics(run_dir)[0]
-    working = Layout(2, data=plan.DATA[strategy], impl=impl).working_dtype("auto", "bfloat16")
+    working = Layout(**{k: start[k] for k in ("world", "data", "impl")}).working_dtype("auto", "bfloat16")
     assert (start["dtype"], start["param_dtype"], start["grad_accum"]) == ("bfloat16", working, 8 // start["dp"])
     assert_tracks(run_dir, single, TO_FP32, f"{strategy}/{impl} bf16 vs float32")
     if impl == "scratch" or (strategy, impl) in TWIN:

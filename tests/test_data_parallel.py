@@ -22,6 +22,7 @@ from conftest import (RUN, STEPS, assert_refused, assert_same_steps, assert_same
                       make_cfg, read_metrics, small_run, torchrun_jobs)
 from model import GPT, GPTConfig
 from parallel.ddp import DDP
+from parallel.layout import Layout
 from parallel.zero import ZeroOptimizer
 from tools import plan
 
@@ -143,7 +144,8 @@ def test_mixed_precision_state_comm_and_loss(single, runs, case):
     steps = [r for r in records if "comm_bytes" in r]
     P, accum = start["n_params"], start["grad_accum"]
     assert len(steps) == STEPS and accum == 16 // (2 * world)
-    predicted = plan.predict(make_cfg(*mixed(*case[:3])), world)
+    cfg = make_cfg(*mixed(*case[:3]))
+    predicted = plan.predict(cfg, Layout.from_config(cfg.parallel, world))
     reduce_scatter = (accum if accumulate == "sharded" else 1) * P * (2 if reduce_dtype == "bfloat16" else 4)
     for r in steps:
         assert r["state_bytes_max"] == pytest.approx(MIXED_STATE[stage, reduce_dtype](world) * P, rel=1e-3)

@@ -2,15 +2,18 @@
 process group, with the real strategies, and the planner's state and communication must equal what it measures,
 within 1%. Fake tensors where the rank's work is large; real ones where it is small, and both agree to the byte.
 `pytest tests/test_dry_run.py -s` prints the ratios."""
+import itertools
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+from omegaconf import OmegaConf
 
 from conftest import ROOT, make_cfg
 from config import ConfigError
+from parallel.layout import DATA_STRATEGIES, IMPLS, Layout, LayoutError
 from tools import dry_run, plan
 
 # one micro-batch per data-parallel rank (no accumulation: under it torch's FSDP2 keeps units gathered between
@@ -34,8 +37,8 @@ def layout(strategy, world):
 def dry(*overrides, rank=3):
     """One dry run in this process: (what it measured, the planner's prediction)."""
     cfg = make_cfg(*overrides, f"dry_run.rank={rank}")
-    _, device, dtype, accum, compute, predicted = dry_run.check(cfg)
-    m = dry_run.measure(cfg, rank, cfg.dry_run.world, compute, device, dtype, accum, cfg.dry_run.steps)
+    layout, device, dtype, accum, compute, predicted = dry_run.check(cfg)
+    m = dry_run.measure(cfg, layout, rank, compute, device, dtype, accum, cfg.dry_run.steps)
     print(f"\n{' '.join(overrides)}: {compute} tensors, accumulation {accum}\n" +
           "\n".join(f"  {w:32s} {a / 1e9:10.4f} GB {b / 1e9:10.4f} GB {dry_run.ratio(a, b)}"
                     for w, a, b in dry_run.compare(m, predicted)))
@@ -61,7 +64,8 @@ def test_gpt_1p3b_at_world_64(strategy, impl):
     assert m["compute"] == "fake" and m["world_size"] == 64 and m["dims"]["tp"] == (8 if "tp" in strategy else 1)
     # torch's ZeRO-2 twin is FSDP2 without resharding after forward: its parameters stay sharded between steps
     # too, so its state is FSDP's 16P/N (README, Data parallelism), its traffic ZeRO-2's
-    state = plan.predict(make_cfg(*GPT_1P3B, *layout("fsdp", 64)), 64)["state"] if (strategy, impl) == ("zero2", "torch") \
+    fsdp = make_cfg(*GPT_1P3B, *layout("fsdp", 64))
+    state = plan.predict(fsdp, Layout.from_config(fsdp.parallel, 64))["state"] if (strategy, impl) == ("zero2", "torch") \
         else None
     assert_planner_equals(m, predicted, state)
     if impl == "scratch":  # autograd's saved tensors of one micro-batch, against the planner's count
@@ -176,3 +180,58 @@ def test_pipeline_stage_at_world_64():
     assert_planner_equals(m, stage)
     assert m["comm"][("pp", "p2p")] == pytest.approx(2 * predicted["pp_ranks"][0]["p2p_total"])
     assert m["activation_bytes"] == pytest.approx(sum(stage["one_micro_batch"]), rel=0.02)
+
+
+# --- one rule book: the planner and the dry run accept and refuse the same layouts, with the same line
+SAME_RUN = ["model=gpt_tiny", "data=fineweb_edu", "train.seq_len=64", "train.global_batch_size=64",
+            "train.micro_batch_size=1", "train.dtype=float32"]  # float32: the planner's GPU and this CPU alike
+
+
+def grid(datas, impls):
+    """parallel.* for every data strategy x impl given x tp, cp, pp in {1, 2} x dp_replicate in {1, 2} (dp: what the
+    others leave; dp_shard: what dp_replicate leaves)."""
+    for data, impl, tp, cp, pp, replicate in itertools.product(datas, impls, (1, 2), (1, 2), (1, 2), (1, 2)):
+        yield {"data": data, "impl": impl, "tp": tp, "cp": cp, "pp": pp, "dp_replicate": replicate,
+               "dp_shard": None}
+
+
+def refusal(check, cfg):
+    """The line `check` refuses cfg with, or None where it accepts it."""
+    try:
+        check(cfg)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("world,datas,impls", [(8, DATA_STRATEGIES, IMPLS), (32, ("ddp", "fsdp"), ("scratch",))])
+def test_planner_and_dry_run_refuse_alike(world, datas, impls):
+    """Every layout of the grid through the planner's check (what `python -m tools.plan` runs before it plans) and
+    the dry run's (`python train.py ... dry_run.world=N`): the same layouts refused, each with the same line (the
+    rule book's, Layout.problem); a ranked candidate gets that line too. The only lines apart are each tool's own
+    rules: none of the planner's cluster rules apply here (nodes of 8, tp <= 2), and the dry run refuses torch's
+    DDP, which the fake process group can't run. Checks only: nothing is built or stepped."""
+    planner = plan.compose([*SAME_RUN, f"plan.world={world}"])
+    dry = plan.compose([*SAME_RUN, f"dry_run.world={world}", "dry_run.compute=fake"], config_name="config")
+    lines = {}
+    for p in grid(datas, impls):
+        planned = OmegaConf.merge(planner, {"parallel": p})
+        said = refusal(plan.check, planned)
+        # the dry run says which world it plays before the rule book's line
+        ran = refusal(dry_run.check, OmegaConf.merge(dry, {"parallel": p}))
+        ran = ran and ran.removeprefix(f"dry_run.world={world}: ")
+        try:
+            layout = Layout.from_config(planned.parallel, world)
+        except LayoutError:
+            layout = None
+        if layout is not None:  # the ranking's path: the rule book, then the cluster's rules
+            assert said == (plan.rule_book(planned, layout) or plan.cluster_problem(layout, planned.plan)), p
+        if said != ran:
+            assert said is None and ran == dry_run.fake_group_problem(layout), (p, said, ran)
+        lines[tuple(p.values())] = said
+    refused = {line for line in lines.values() if line}
+    assert None in lines.values() and len(refused) >= 5, refused  # a grid that tells accepting from refusing
+    # the two layouts the planner once ranked though train.py refuses them: pp x tp x cp, and pp under DeepSpeed
+    assert lines["fsdp", "scratch", 2, 2, 2, 1, None].startswith("parallel.pp > 1 with both parallel.tp > 1 and")
+    if "deepspeed" in impls:
+        assert "with parallel.impl=deepspeed" in lines["zero1", "deepspeed", 1, 1, 2, 1, None]

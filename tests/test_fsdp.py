@@ -11,6 +11,7 @@ import train
 from conftest import (RUN, STEPS, assert_refused, assert_same_steps, assert_same_weights, losses, make_cfg,
                       read_metrics, small_run, torchrun, torchrun_jobs)
 from model import GPT, GPTConfig
+from parallel.layout import Layout
 from tools import plan
 
 # one micro-step per rank per step (global 4 = 2 ranks x 2): the per-step volume is the textbook one
@@ -230,8 +231,9 @@ def test_hsdp_equal_to_single_and_to_the_plan(single, runs, impl):
     start, records = steps(run_dir)
     assert (start["parallel"], start["dp_replicate"], start["dp_shard"]) == ("hsdp", 2, 2)
     # the dtype the run resolved `auto` to (the planner otherwise assumes a GPU's bf16)
-    predicted = plan.predict(make_cfg(*small_run(*RUN, *HSDP, *HSDP_IMPL[impl]), f"train.dtype={start['dtype']}"), 4)
-    assert predicted["strategy"] == "hsdp" and predicted["accum"] == start["grad_accum"] == {"scratch": 2,
+    cfg = make_cfg(*small_run(*RUN, *HSDP, *HSDP_IMPL[impl]), f"train.dtype={start['dtype']}")
+    predicted = plan.predict(cfg, Layout.from_config(cfg.parallel, 4))
+    assert predicted["layout"].name == "hsdp" and predicted["accum"] == start["grad_accum"] == {"scratch": 2,
                                                                                              "torch": 1}[impl]
     assert predicted["state"] == pytest.approx(16 * start["n_params"] / 2, rel=1e-3)
     assert set(predicted["comm"]) == {("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter"),

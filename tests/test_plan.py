@@ -18,7 +18,7 @@ import train
 from conftest import ROOT, SHARED, forked, make_cfg, read_metrics, small_corpus, small_run
 from model import GPT, GPTConfig
 from parallel import pp
-from parallel.layout import Layout, LayoutError
+from parallel.layout import DATA_STRATEGIES, Layout, LayoutError
 from tools import cp_memory, plan
 
 # 4 heads so that tensor parallelism can split them 4 ways; global 8 in micro-batches of 2: accumulation 4, 2, 1 at
@@ -50,7 +50,10 @@ LAYOUTS = list(measured_layouts())
 
 def test_every_strategy_is_measured():
     assert {s for s, _ in LAYOUTS} | {s for s, _, _ in SP} == set(PRESETS)  # hsdp: only with a node size, in SP
-    assert set(PRESETS) <= set(plan.STRATEGIES)  # the planner has a theory for each
+    # the planner ranks every data strategy, HSDP and each of the mesh's dimensions
+    ranked = list(plan.candidates(16, cluster(world=16)))
+    assert {c.strategy for c in ranked} == set(DATA_STRATEGIES) and any(c.hsdp for c in ranked)
+    assert all(any(getattr(c, dim) > 1 for c in ranked) for dim in ("pp", "cp", "tp"))
 
 
 def forked_run(world, run_dir, *overrides):
@@ -82,8 +85,9 @@ def test_prediction_equals_measurement(tmp_path, strategy, world, extra):
         forked_run(world, run_dir, *overrides)
     start, *records = read_metrics(run_dir)
     steps = [r for r in records if "comm_bytes" in r]
-    predicted = plan.predict(make_cfg(*overrides), world)
-    shape = plan.model_shape(make_cfg(*overrides))
+    cfg = make_cfg(*overrides)
+    predicted = plan.predict(cfg, Layout.from_config(cfg.parallel, world))
+    shape = plan.model_shape(cfg)
     assert shape["n_params"] == start["n_params"] and predicted["accum"] == start["grad_accum"]
     assert len(steps) == 2
     for r in steps:
@@ -171,6 +175,11 @@ def plan_cfg(*overrides):
         return compose(config_name="plan", overrides=list(overrides))
 
 
+def at(cfg, world):
+    """The layout cfg's parallel.* asks for on `world` ranks (the planner's default: plan.world)."""
+    return Layout.from_config(cfg.parallel, world)
+
+
 def test_hsdp_what_crosses_nodes():
     """gpt_1p3b on 2 nodes of 8: HSDP shards within each node (16P/8 per rank, as FSDP over 8) and sends only the
     all-reduce of its gradient slice, 2 Psi / 8, over the network; FSDP over all 16 sends all of its traffic there
@@ -178,35 +187,41 @@ def test_hsdp_what_crosses_nodes():
     Psi: 2 Psi). The
     all-reduce rides one NIC per rank, and in the ranking HSDP shards over a node's GPUs."""
     one_micro = "train.micro_batch_size=32"  # 512 sequences on 16 ranks: no accumulation
-    hsdp = plan.predict(plan_cfg("parallel=hsdp", one_micro), 16, plan=cluster(world=16))
-    fsdp = plan.predict(plan_cfg("parallel=fsdp", one_micro), 16, plan=cluster(world=16))
+    configured, fsdp_cfg = plan_cfg("parallel=hsdp", one_micro), plan_cfg("parallel=fsdp", one_micro)
+    hsdp = plan.predict(configured, at(configured, 16), plan=cluster(world=16))
+    fsdp = plan.predict(fsdp_cfg, at(fsdp_cfg, 16), plan=cluster(world=16))
     P, psi = hsdp["params_per_rank"], 4 * hsdp["params_per_rank"]  # reduce_dtype float32
-    assert (hsdp["strategy"], hsdp["dp_replicate"], hsdp["dp_shard"]) == ("hsdp", 2, 8)
+    assert (hsdp["layout"].name, hsdp["dp_replicate"], hsdp["dp_shard"]) == ("hsdp", 2, 8)
     assert hsdp["state"] == pytest.approx(16 * P / 8) and fsdp["state"] == pytest.approx(16 * P / 16)
     assert hsdp["comm"]["dp_replicate", "all_reduce"] == pytest.approx(2 * psi / 8)
     assert hsdp["comm"]["dp_shard", "reduce_scatter"] == pytest.approx(psi)
     assert hsdp["crosses_nodes"] == pytest.approx(2 * psi / 8)
     assert fsdp["crosses_nodes"] == pytest.approx(fsdp["comm_total"]) and fsdp["comm_total"] == pytest.approx(2 * psi)
-    assert plan.bandwidths(16, 1, cluster(world=16), 8)["dp_replicate"] == plan.NETWORKS["infiniband"]
-    ranked = plan.predict(plan_cfg("parallel=fsdp", one_micro), 16, "hsdp", 1, plan=cluster(world=16))
+    assert plan.bandwidths(hsdp["layout"], cluster(world=16))["dp_replicate"] == plan.NETWORKS["infiniband"]
+    (candidate,) = [c for c in plan.candidates(16, cluster(world=16)) if c.hsdp]
+    ranked = plan.predict(fsdp_cfg, candidate, plan=cluster(world=16))
     assert ranked["dp_shard"] == 8 and ranked["comm"] == hsdp["comm"]
-    assert plan.layout_problem(plan_cfg("parallel=fsdp"), plan.model_shape(plan_cfg()), 8, "hsdp", 1, cluster()) \
-        == "hsdp needs replicas of dp_shard=8 ranks (plan.world=8: more than one node)"
+    assert not any(c.hsdp for c in plan.candidates(8, cluster()))  # one node: its shard group would be all of it
+    # a shard group across a node's edge: the planner has no price for it
+    assert plan.cluster_problem(Layout(24, dp_replicate=8, dp_shard=3, data="fsdp"), cluster(world=24)) == (
+        "parallel.dp_shard=3: HSDP's shard groups would straddle nodes of 8 GPUs (the planner prices a shard group "
+        "within one node or over whole nodes); use a divisor or a multiple of 8")
 
 
 def test_time_model():
     """Alone, a GPU runs at the assumed efficiency; FSDP's per-micro-step gathers hide behind compute over NVLink
     but not over PCIe once micro-batches are small (the README's 40% -> single digits); TP's all-reduces are
     always exposed."""
-    single = plan.predict(plan_cfg("parallel=single", "train.global_batch_size=8"), 1, plan=cluster(world=1))
+    cfg = plan_cfg("parallel=single", "train.global_batch_size=8")
+    single = plan.predict(cfg, at(cfg, 1), plan=cluster(world=1))
     assert single["mfu"] == pytest.approx(0.4, rel=1e-9) and single["time"]["exposed comm"] == 0
     cfg = plan_cfg("train.micro_batch_size=1")
-    nvlink, pcie = (plan.predict(cfg, 8, plan=cluster(link=link)) for link in ("nvlink", "pcie"))
+    nvlink, pcie = (plan.predict(cfg, plan=cluster(link=link)) for link in ("nvlink", "pcie"))
     assert nvlink["mfu"] > 0.3 and pcie["mfu"] < 0.1
     assert nvlink["comm"] == pcie["comm"]  # the same bytes, on a slower link
-    tp = plan.predict(cfg, 8, "tp", 8, plan=cluster())
+    tp = plan.predict(cfg, Layout(8, tp=8, data="ddp"), plan=cluster())
     assert tp["time"]["exposed comm"] == pytest.approx(tp["time"]["comm"])
-    no_prefetch = plan.predict(plan_cfg("train.micro_batch_size=1", "parallel.prefetch=0"), 8, plan=cluster())
+    no_prefetch = plan.predict(plan_cfg("train.micro_batch_size=1", "parallel.prefetch=0"), plan=cluster())
     assert no_prefetch["time"]["exposed comm"] == pytest.approx(no_prefetch["time"]["comm"])
 
 
@@ -247,8 +262,8 @@ def test_mixed_precision_zero_follows_every_knob():
     8 times. ZeRO-1 with bf16 weights and fp32 gradients is Megatron's distributed optimizer, 6 + 12/N bytes."""
     big = ("model.n_layer=36", "model.n_embd=4096", "model.n_head=32", "train.global_batch_size=4096",
            "parallel.param_dtype=bfloat16")
-    local, sharded = (plan.predict(plan_cfg(*big, "parallel=zero2", f"parallel.accumulate={a}"), 64)
-                      for a in ("local", "sharded"))
+    local, sharded = (plan.predict(cfg, at(cfg, 64)) for cfg in
+                      (plan_cfg(*big, "parallel=zero2", f"parallel.accumulate={a}") for a in ("local", "sharded")))
     P = local["params_per_rank"]
     assert round(P / 1e9, 2) == 7.66 and local["accum"] == 8
     assert local["memory"]["transient"] == 4 * P and round(local["memory"]["transient"] / 1e9, 1) == 30.6
@@ -256,12 +271,15 @@ def test_mixed_precision_zero_follows_every_knob():
     assert sharded["state"] == local["state"] == pytest.approx((2 + 16 / 64) * P)
     assert sharded["comm"]["dp", "reduce_scatter"] == 8 * local["comm"]["dp", "reduce_scatter"] == 8 * 4 * P
     assert local["comm"]["dp", "all_gather"] == 2 * P  # the bf16 working weights
-    bf16 = plan.predict(plan_cfg(*big, "parallel=zero2", "parallel.reduce_dtype=bfloat16"), 64)
+    cfg = plan_cfg(*big, "parallel=zero2", "parallel.reduce_dtype=bfloat16")
+    bf16 = plan.predict(cfg, at(cfg, 64))
     assert bf16["state"] == pytest.approx((2 + 14 / 64) * P) and bf16["memory"]["transient"] == 2 * P
     assert bf16["comm"]["dp", "reduce_scatter"] == 2 * P
-    zero1 = plan.predict(plan_cfg(*big, "parallel=zero1"), 64)
+    cfg = plan_cfg(*big, "parallel=zero1")
+    zero1 = plan.predict(cfg, at(cfg, 64))
     assert zero1["state"] == pytest.approx((6 + 12 / 64) * P) and zero1["memory"]["transient"] == 0
-    fp32 = plan.predict(plan_cfg(*big[:-1], "parallel=zero1", "parallel.param_dtype=float32"), 64)
+    cfg = plan_cfg(*big[:-1], "parallel=zero1", "parallel.param_dtype=float32")
+    fp32 = plan.predict(cfg, at(cfg, 64))
     assert fp32["state"] == pytest.approx((8 + 8 / 64) * P) and fp32["comm"]["dp", "all_gather"] == 4 * P
 
 
@@ -273,21 +291,27 @@ def test_param_dtype_auto_follows_the_compute_dtype(strategy, impl, working):
     working copy (FSDP2's convention), float32 under float32 compute, and float32 where the weights are the master
     (ddp; torch's ZeroRedundancyOptimizer steps the model's own)."""
     over = (f"parallel={strategy}", f"parallel.impl={impl}")
-    auto = plan.predict(plan_cfg(*over, "train.dtype=bfloat16"), 8)
+    auto = plan.predict(plan_cfg(*over, "train.dtype=bfloat16"))
     explicit = plan.predict(plan_cfg(*over, "train.dtype=bfloat16",
-                                     f"parallel.param_dtype={'bfloat16' if working == 2 else 'float32'}"), 8)
+                                     f"parallel.param_dtype={'bfloat16' if working == 2 else 'float32'}"))
     assert auto["knobs"]["param_dtype"] == ("bfloat16" if working == 2 else "float32")
     assert auto["memory"] == explicit["memory"] and auto["comm"] == explicit["comm"]
-    fp32 = plan.predict(plan_cfg(*over, "train.dtype=float32"), 8)
+    fp32 = plan.predict(plan_cfg(*over, "train.dtype=float32"))
     assert fp32["knobs"]["param_dtype"] == "float32"
 
 
-def test_impossible_layouts():
-    cfg = plan_cfg()
-    shape = plan.model_shape(cfg)
-    assert plan.layout_problem(cfg, shape, 12, "fsdp_tp", 8, cluster()) == "plan.world=12 is not divisible by tp=8"
-    assert "span nodes" in plan.layout_problem(cfg, shape, 32, "fsdp_tp", 16, cluster())
-    assert "does not divide the model's 16 heads" in plan.layout_problem(cfg, shape, 6, "tp", 6, cluster())
+@pytest.mark.parametrize("overrides,message", [
+    (["parallel=fsdp_tp", "parallel.tp=8", "plan.world=12", "plan.gpus_per_node=4"],
+     "parallel.tp=8 must divide the number of ranks (12)"),
+    (["parallel=fsdp_tp", "parallel.tp=16", "plan.world=32"],
+     "tp=16 would span nodes of 8 GPUs (tensor parallelism stays within a node)"),
+    (["parallel=tp", "parallel.tp=6", "plan.world=6"], "parallel.tp=6 must divide the model's 16 attention heads"),
+])
+def test_impossible_layouts(overrides, message):
+    """The rule book's line (train.py's), then the cluster's own."""
+    with pytest.raises(SystemExit) as e:
+        plan.main(overrides)
+    assert str(e.value.code).startswith(f"error: {message}")
 
 
 needs_shared = pytest.mark.skipif(not os.path.isdir(os.path.join(SHARED, "tiktoken_cache")),
@@ -488,11 +512,11 @@ def test_pipeline_plan_for_70b():
     prints the pipeline part (schedule, micro-batches, the bubble of parallel/pp.py's list), and the ranking holds
     pp layouts across nodes, whose p2p is all that crosses the network when pp x tp spans the 64."""
     big = ("model=gpt_70b", "parallel.data=fsdp", "parallel.tp=8", "train.activation_checkpointing=full")
-    node = plan.predict(plan_cfg(*big, "parallel=fsdp_tp"), 8, plan=cluster())
+    node = plan.predict(plan_cfg(*big, "parallel=fsdp_tp"), plan=cluster())
     assert not node["fits"] and node["state"] > 80e9
     cfg = plan_cfg(*big, "parallel=pp", "parallel.pp=8", "plan.world=64")
-    piped = plan.predict(cfg, 64, plan=cluster(world=64))
-    assert (piped["strategy"], piped["pp"], piped["dp"], piped["tp"], piped["micro_batches"]) == \
+    piped = plan.predict(cfg, plan=cluster(world=64))
+    assert (piped["layout"].name, piped["pp"], piped["dp"], piped["tp"], piped["micro_batches"]) == \
         ("pp_fsdp_tp", 8, 1, 8, 64)
     assert piped["fits"] and piped["bubble"] == pytest.approx(7 / (64 + 7))  # 1F1B: (p - 1) / (m + p - 1)
     assert piped["crosses_nodes"] == pytest.approx(piped["p2p_total"])  # the stages' hops, nothing else

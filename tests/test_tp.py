@@ -76,9 +76,8 @@ def test_equal_to_single(runs, single_tp, strategy, impl, tp, sp):
     # strategies' padding: < 0.1%). torch's vocab-parallel embedding leaves its gradient shard as a view into a
     # full-vocabulary buffer (measured: V x d x 4 bytes more where nothing copies the gradients out, i.e. without
     # FSDP or replicate() over dp)
-    layout = start["parallel"]
-    per_param = STATE[layout.removesuffix("_tp") if layout != "fsdp_tp" else layout](4 // tp)
-    if impl == "torch" and layout == "zero2_tp":
+    per_param = STATE[strategy](4 // tp)  # the preset: every ZeRO case runs beside tp=2
+    if impl == "torch" and strategy == "zero2":
         per_param = 16 / (4 // tp)  # torch's ZeRO-2 is FSDP2 keeping units gathered through backward
     expected = per_param * local_params(2, 64, 512, tp)
     slack = expected * 0.001 + (512 * 64 * 4 if impl == "torch" else 0)

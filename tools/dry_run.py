@@ -58,7 +58,6 @@ from config import ConfigError
 from data import prepare
 from model import GPT
 from parallel.comm import CommCounter
-from parallel.layout import Layout
 from parallel.strategy import dp_mesh
 from tools import plan
 
@@ -77,6 +76,17 @@ def machine_memory_gb():
         return None
 
 
+def fake_group_problem(layout):
+    """Why this layout can't run under the fake process group though a real run could, or None: the dry run's own
+    rule, after the rule book's (config.check)."""
+    if layout.impl == "torch" and layout.data in ("ddp", "zero1") and layout.tp == 1:
+        return (f"parallel.data={layout.data} parallel.impl=torch: torch's DistributedDataParallel does not run under "
+                f"the fake process group (its all-reduce hook reads the collective's result, which a fake group's "
+                f"future doesn't hold; on fake tensors its C++ reducer needs the parameters' memory too); use "
+                f"parallel.impl=scratch")
+    return None
+
+
 def check(cfg, under_torchrun=False):
     """Everything a dry run can know wrong before it starts; returns (the Layout, device, dtype, grad_accum, compute,
     the planner's prediction). Raises ConfigError with one line."""
@@ -89,9 +99,12 @@ def check(cfg, under_torchrun=False):
         layout, device, dtype, accum = config.check(cfg, d.world)
     except ConfigError as e:
         raise ConfigError(f"dry_run.world={d.world}: {e}") from None
+    problem = fake_group_problem(layout)
+    if problem:
+        raise ConfigError(problem)
     # None where the planner has no theory of the layout: then nothing says how much memory it needs, and auto
     # takes fake tensors
-    predicted = predict(cfg, dtype) if planner_gap(layout) is None else None
+    predicted = predict(cfg, layout, dtype) if planner_gap(layout) is None else None
     need = predicted["total_memory"] / GB if predicted else None
     total = machine_memory_gb()
     if total is not None and d.memory_gb > total:
@@ -100,11 +113,6 @@ def check(cfg, under_torchrun=False):
     flops = plan.model_shape(cfg)["flops_per_token"] * t.micro_batch_size * accum * t.seq_len / layout.tp
     fits = need is not None and need <= d.memory_gb and flops <= REAL_FLOPS
     compute = d.compute if d.compute != "auto" else "real" if fits else "fake"
-    if cfg.parallel.impl == "torch" and cfg.parallel.data in ("ddp", "zero1") and layout.tp == 1:
-        raise ConfigError(f"parallel.data={cfg.parallel.data} parallel.impl=torch: torch's DistributedDataParallel "
-                          f"does not run under the fake process group (its all-reduce hook reads the collective's "
-                          f"result, which a fake group's future doesn't hold; on fake tensors its C++ reducer needs "
-                          f"the parameters' memory too); use parallel.impl=scratch")
     if compute == "real" and need is not None and need > d.memory_gb:
         raise ConfigError(f"dry_run.compute=real: rank {d.rank}'s state, transient and activations need "
                           f"{need:.1f} GB (tools/plan.py), over dry_run.memory_gb={d.memory_gb:g}; use "
@@ -121,13 +129,13 @@ def planner_gap(layout):
     return None
 
 
-def predict(cfg, dtype):
-    """tools/plan.py's numbers for this config at dry_run.world, with the activations' dtype the run resolved."""
+def predict(cfg, layout, dtype):
+    """tools/plan.py's numbers for this config's layout, with the activations' dtype the run resolved."""
     cfg = cfg.copy()
     cfg.train.dtype = dtype  # auto means bf16 to the planner (a GPU); on a CPU train.py computes in float32
-    predicted = plan.predict(cfg, cfg.dry_run.world)
-    if predicted["pp"] > 1:  # the numbers of the pp rank this process plays (pp outermost: world / pp ranks a stage)
-        predicted = {**predicted, **predicted["pp_ranks"][cfg.dry_run.rank // (cfg.dry_run.world // predicted["pp"])]}
+    predicted = plan.predict(cfg, layout)
+    if layout.pp > 1:  # the numbers of the pp rank this process plays (pp outermost: a stage's ranks are neighbours)
+        predicted = {**predicted, **predicted["pp_ranks"][cfg.dry_run.rank // layout.stage_world]}
     return predicted
 
 
@@ -211,14 +219,13 @@ class SavedBytes:
         return t
 
 
-def measure(cfg, rank, world, compute, device, dtype, accum, steps, on_step=None):
-    """One dry run in this process: rank `rank` of `world` under the fake backend, `steps` optimizer steps of
-    train.py's own step. Returns what the last step measured. `on_step(step, measured)` sees every step."""
-    t = cfg.train
+def measure(cfg, layout, rank, compute, device, dtype, accum, steps, on_step=None):
+    """One dry run in this process: rank `rank` of the layout's world under the fake backend, `steps` optimizer steps
+    of train.py's own step. Returns what the last step measured. `on_step(step, measured)` sees every step."""
+    t, world = cfg.train, layout.world
     mcfg = config.model_config(cfg, prepare.vocab_size(cfg.data))
     with fake_process_group(rank, world):
         start = time.time()
-        layout = Layout.from_config(cfg.parallel, world)
         mesh = layout.build_mesh(device.split(":")[0])
         with compute_mode(compute):
             with torch.device("meta"):
@@ -323,7 +330,7 @@ def run(cfg, run_dir, under_torchrun=False):
                      "activation_bytes": out["activation_bytes"],
                      **({"transient_bytes": out["transient_bytes"]} if out["transient_bytes"] is not None else {}),
                      **{f"comm_{dim}_{kind}": n for (dim, kind), n in sorted(out["comm"].items())}})
-    m = measure(cfg, d.rank, d.world, compute, device, dtype, accum, d.steps, on_step=log)
+    m = measure(cfg, layout, d.rank, compute, device, dtype, accum, d.steps, on_step=log)
     metrics.close()
     print(report(cfg, m, predicted))
     return m
@@ -355,7 +362,8 @@ def layouts(impls=("scratch", "torch")):
 
 def table(overrides, impls=("scratch", "torch"), steps=1, only=None):
     """Markdown: per-rank state, peak model state and communication per step, measured and predicted; `only`: the
-    layout names (Layout.name: hsdp, fsdp_cp, ...) whose rows to run, every row where None."""
+    layout names (Layout.name, for people: hsdp, fsdp_cp, ...) whose rows to run, every row where None. Rows the
+    checks refuse are listed below the table with their line."""
     head = ("| parallel | impl | dp x tp | tensors | state GB | planner | ratio | peak model state GB | planner | "
             "ratio | comm GB/step | planner | ratio |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -363,25 +371,24 @@ def table(overrides, impls=("scratch", "torch"), steps=1, only=None):
     for name, impl, extra in layouts(impls):
         cfg = plan.compose([*TABLE, *overrides, f"parallel={name}", f"parallel.impl={impl}", *extra],
                            config_name="config")
-        name = Layout.from_config(cfg.parallel, cfg.dry_run.world).name
-        if only is not None and name not in only:
-            continue
         try:
             layout, device, dtype, accum, compute, predicted = check(cfg)
         except ConfigError as e:  # torch's DDP twins: they don't run under the fake process group
-            skipped.append(f"{name} {impl}: {e}")
+            skipped.append(f"parallel={name} impl={impl}: {e}")  # listed whatever `only`: refused, it has no Layout
+            continue
+        if only is not None and layout.name not in only:
             continue
         if predicted is None:  # nothing to set beside the measured numbers
-            skipped.append(f"{name} {impl}: {planner_gap(layout)}")
+            skipped.append(f"{layout.name} {impl}: {planner_gap(layout)}")
             continue
-        m = measure(cfg, cfg.dry_run.rank, cfg.dry_run.world, compute, device, dtype, accum, steps)
+        m = measure(cfg, layout, cfg.dry_run.rank, compute, device, dtype, accum, steps)
         ppeak = predicted["state"] + predicted["memory"]["transient"]
         if m["transient_bytes"] is None:  # the strategy doesn't measure what it holds beyond its state
             peak = "- | " + f"{ppeak / GB:.2f} | -"
         else:
             peak = m["state_bytes"] + m["transient_bytes"]
             peak = f"{peak / GB:.2f} | {ppeak / GB:.2f} | {ratio(peak, ppeak)}"
-        label = name + (f" (cp={layout.cp}, {cfg.parallel.cp_method})" if layout.cp > 1 else "") + \
+        label = layout.name + (f" (cp={layout.cp}, {cfg.parallel.cp_method})" if layout.cp > 1 else "") + \
             (f" ({layout.dp_replicate} x {layout.dp_shard})" if layout.dp_replicate > 1 else "")
         lines.append(f"| {label} | {impl} | {m['dims']['dp']} x {m['dims']['tp']} | {compute} | "
                      f"{m['state_bytes'] / GB:.2f} | {predicted['state'] / GB:.2f} | "

@@ -9,13 +9,16 @@ layout and cluster, from each strategy's theory. Pure arithmetic: nothing is all
     python -m tools.plan --figure1             # the ZeRO paper's Figure 1 from state_bytes, beside the paper's
 
 The settings are conf/plan.yaml: the training config as train.py composes it (model, data for the vocab, parallel,
-optim, train) plus `plan.*`, the cluster. It prints the chosen layout in detail, then every layout of the same
-world ranked by predicted step time, those that fit first.
+optim, train) plus `plan.*`, the cluster. It prints the configured layout in detail, then every candidate layout of
+the same world ranked by predicted step time, those that fit first. Every layout here is a Layout value
+(parallel/layout.py), and each passes the rule book train.py applies (config.rules, Layout.problem: a refused one
+is listed with its line, the configured one is refused with it) and then the cluster's own rules (cluster_problem).
+The theory reads the Layout's fields (layout.strategy, layout.hsdp, tp, cp, pp, ...), never its name.
 
 The theory, per rank, with P the parameters a rank computes with (all of them, or 1/tp of the matrices under
 tensor parallelism) and N the data-parallel ranks:
-- state: parameters 4P + gradients 4P + optimizer state (AdamW 8P), each whole or split over N (SHARDED: ZeRO's
-  stages; HSDP splits over its dp_shard ranks only); theory() is this with fp32 Adam, for the tests and the
+- state: parameters 4P + gradients 4P + optimizer state (AdamW 8P), each whole or split over N (layout.sharded:
+  ZeRO's stages; HSDP splits over its dp_shard ranks only); theory() is this with fp32 Adam, for the tests and the
   benchmark. ZeRO in mixed precision
   (parallel.param_dtype=bfloat16, parallel/zero.py): working weights 2P + fp32 master 4P/N + gradients in
   reduce_dtype + optimizer state, so 2P + 2P + 12P/N (ZeRO-1) and 2P + 14P/N (ZeRO-2) under bf16 gradients: the
@@ -40,6 +43,7 @@ tensor parallelism) and N the data-parallel ranks:
   pp groups span nodes first (pp is the mesh's outermost dimension). The rank with the most memory is reported.
 tests/test_plan.py checks state and comm against real runs' counters at world sizes 1, 2 and 4.
 """
+import dataclasses
 import functools
 import math
 import os
@@ -49,7 +53,7 @@ from collections import Counter
 import torch
 
 import config
-from parallel.layout import Layout, LayoutError
+from parallel.layout import DATA_STRATEGIES, Layout
 from data import prepare
 from model import GPT, GPTConfig
 
@@ -70,24 +74,14 @@ LINKS = ("nvlink", "pcie")  # within a node, at the GPU's own rate above
 NETWORKS = {"infiniband": 50e9}
 
 
-# Which parts of the model state a strategy splits over its data-parallel ranks (the rest is whole on every rank)
-SHARDED = {"single": (), "ddp": (), "zero1": ("optimizer",), "zero2": ("gradients", "optimizer"),
-           "fsdp": ("parameters", "gradients", "optimizer"), "tp": (),
-           "fsdp_tp": ("parameters", "gradients", "optimizer"), "zero1_tp": ("optimizer",),
-           "zero2_tp": ("gradients", "optimizer"), "hsdp": ("parameters", "gradients", "optimizer")}
-# layouts as config.layout_name names them: each of those, and with context parallel (cp > 1) beside it
-STRATEGIES = tuple(SHARDED) + ("cp", "zero1_cp", "zero2_cp", "fsdp_cp", "tp_cp", "fsdp_tp_cp", "zero1_tp_cp",
-                               "zero2_tp_cp")
-# and with pipeline stages outside them (pp > 1): pp alone (no data parallel), pp_ before the strategy over dp
-STRATEGIES += ("pp", "pp_ddp", "pp_fsdp", "pp_tp", "pp_fsdp_tp", "pp_zero1", "pp_zero2")
-TP_STRATEGIES = ("tp", "fsdp_tp", "zero1_tp", "zero2_tp")  # the others have tp = 1
 # Settings the theory reads from parallel.*, with the value a strategy without that setting behaves as
 KNOBS = {"reduce_dtype": "float32", "param_dtype": "float32", "accumulate": "local", "reshard_after_forward": True,
          "prefetch": 1, "sequence_parallel": False, "cp_method": "ring"}
-ZERO = ("zero1", "zero2", "zero1_tp", "zero2_tp")
-FSDP = ("fsdp", "fsdp_tp", "hsdp")  # units gathered just in time (HSDP: within each shard group)
-DATA = {"single": "none", "ddp": "ddp", "tp": "ddp", "hsdp": "fsdp",
-        **{s: s.split("_")[0] for s in ("zero1", "zero2", "fsdp", "zero1_tp", "zero2_tp", "fsdp_tp")}}
+
+
+def compute_dtype(t):
+    """The dtype a run of train's settings computes in on the GPUs planned for: train.dtype=auto is bf16 there."""
+    return "float32" if t.dtype == "float32" else "bfloat16"
 
 
 def optimizer_bytes(optim):
@@ -119,39 +113,42 @@ def params_per_rank(shape, tp):
     return (shape["n_params"] - replicated) / tp + replicated
 
 
-# --- the theory of each strategy: state and communication
-def state_bytes(strategy, P, dp, opt_bytes=8, knobs=KNOBS):
+# --- the theory of each strategy: state and communication, keyed by the Layout's fields (layout.strategy: the data
+# strategy that runs; layout.hsdp; layout.tp, layout.cp; layout.sharded and layout.shard_ranks)
+def state_bytes(layout, P, opt_bytes=8, knobs=KNOBS):
     """Model state per rank: {parameters, gradients, optimizer: bytes}, for P parameters on this rank's tp slice,
-    sharded over `dp` ranks (HSDP: its dp_shard).
+    the parts the strategy splits (layout.sharded) over layout.shard_ranks (dp x cp; HSDP: dp_shard).
     ZeRO with param_dtype=bfloat16: bf16 working weights (whole), fp32 master weights (sharded, "master"), gradients
     in the wider of param_dtype and reduce_dtype (parallel/zero.py). FSDP's parameters are its fp32 shards whatever
     param_dtype (the gathered bf16 copies are transient)."""
     whole = {"parameters": 4 * P, "gradients": 4 * P, "optimizer": opt_bytes * P}
-    if strategy in ZERO and knobs["param_dtype"] != "float32":
+    if layout.strategy in ("zero1", "zero2") and knobs["param_dtype"] != "float32":
         pb, rb = DTYPE_BYTES[knobs["param_dtype"]], DTYPE_BYTES[knobs["reduce_dtype"]]
         whole = {"parameters": pb * P, "master": 4 * P, "gradients": max(pb, rb) * P, "optimizer": opt_bytes * P}
-    return {k: v / dp if k in SHARDED[strategy] + ("master",) else v for k, v in whole.items()}
+    split = layout.sharded + ("master",)
+    return {k: v / layout.shard_ranks if k in split else v for k, v in whole.items()}
 
 
-def comm_bytes(strategy, P, accum, knobs=KNOBS, shape=None, micro=0, seq=0, act_bytes=4, tp=1, dp=1, shard=None):
+def comm_bytes(layout, P, accum, knobs=KNOBS, shape=None, micro=0, seq=0, act_bytes=4):
     """Bytes per optimizer step per rank, as parallel/comm.py counts them: Counter {(dim, collective): bytes}.
     Non-final micro-steps of gradient accumulation reduce no gradients (no_sync), except under ZeRO-2 with
-    accumulate=sharded, which reduce-scatters every micro-step. HSDP: FSDP's traffic within the `shard` ranks of
-    dp_shard, and its gradient slice, P / shard, all-reduced across dp_replicate."""
+    accumulate=sharded, which reduce-scatters every micro-step. HSDP: FSDP's traffic within the layout.shard_ranks
+    of dp_shard, and its gradient slice, P / dp_shard, all-reduced across dp_replicate. `seq`: the tokens of a
+    sequence on this rank (seq_len / cp), what tensor parallelism moves."""
     rb, pb = DTYPE_BYTES[knobs["reduce_dtype"]], DTYPE_BYTES[knobs["param_dtype"]]
-    c = Counter()
-    if strategy == "ddp" or (strategy == "tp" and dp > 1):  # one all-reduce of the gradients (Li et al., 2020)
+    c, strategy = Counter(), layout.strategy
+    if strategy == "ddp":  # one all-reduce of the gradients (Li et al., 2020)
         c["dp", "all_reduce"] += 2 * P * rb
-    elif strategy in ZERO:  # reduce-scatter the gradients, all-gather the updated working weights
+    elif strategy in ("zero1", "zero2"):  # reduce-scatter the gradients, all-gather the updated working weights
         c["dp", "reduce_scatter"] += (accum if knobs["accumulate"] == "sharded" else 1) * P * rb
         c["dp", "all_gather"] += P * pb
-    elif strategy in FSDP:  # each micro-step gathers for forward and again for backward
-        within = "dp_shard" if strategy == "hsdp" else "dp"
+    elif strategy == "fsdp":  # each micro-step gathers for forward and again for backward
+        within = "dp_shard" if layout.hsdp else "dp"
         c[within, "all_gather"] += accum * (2 if knobs["reshard_after_forward"] else 1) * P * pb
         c[within, "reduce_scatter"] += P * rb
-        if strategy == "hsdp":
-            c["dp_replicate", "all_reduce"] += 2 * P / shard * rb
-    if tp > 1:
+        if layout.hsdp:
+            c["dp_replicate", "all_reduce"] += 2 * P / layout.shard_ranks * rb
+    if layout.tp > 1:
         c.update(tp_comm_bytes(shape, micro, seq, act_bytes, accum, knobs["sequence_parallel"], pb))
     return c
 
@@ -184,12 +181,13 @@ def tp_comm_bytes(shape, micro, seq, act_bytes, accum, sequence_parallel, stream
     return c
 
 
-def theory(name, n_params, world, reduce_bytes=4, accum=1):
+def theory(data, n_params, world, reduce_bytes=4, accum=1):
     """(comm bytes per step, model-state bytes per rank) the ZeRO paper predicts for fp32 Adam and P parameters on
-    world data-parallel ranks."""
+    world data-parallel ranks under data strategy `data` (ddp, zero1, zero2, fsdp)."""
     knobs = {**KNOBS, "reduce_dtype": {4: "float32", 2: "bfloat16"}[reduce_bytes], "param_dtype": "float32"}
-    comm = comm_bytes(name, n_params, accum, knobs)
-    return sum(comm.values()), sum(state_bytes(name, n_params, world).values())
+    layout = Layout(world, dp_shard=world, data=data)
+    comm = comm_bytes(layout, n_params, accum, knobs)
+    return sum(comm.values()), sum(state_bytes(layout, n_params).values())
 
 
 # The ZeRO paper's Figure 1 (Rajbhandari et al., 2020): model state per GPU for Psi = 7.5B parameters on N = 64
@@ -209,8 +207,8 @@ def figure1():
             ("zero2", "parallel=zero2 parallel.param_dtype=bfloat16 parallel.reduce_dtype=bfloat16",
              "2 Psi + (2 + K) Psi / N", bf16),
             ("fsdp", "parallel=fsdp", "(2 + 2 + K) Psi / N", KNOBS)]
-    return [(s, how, formula, sum(state_bytes(s, psi, n, 8, knobs).values()) / 1e9, FIGURE1["paper"][s])
-            for s, how, formula, knobs in rows]
+    return [(s, how, formula, sum(state_bytes(Layout(n, dp_shard=n, data=s), psi, 8, knobs).values()) / 1e9,
+             FIGURE1["paper"][s]) for s, how, formula, knobs in rows]
 
 
 def figure1_report():
@@ -291,24 +289,17 @@ def cp_balance(seq, cp):
     return spread(context_parallel.zigzag_positions), spread(context_parallel.plain_positions)
 
 
-def data_strategy(layout):
-    """The layout's strategy over its data-parallel ranks and tp, without context parallel: cp is DDP over cp,
-    fsdp_cp is fsdp, tp_cp is tp, ...; and over one pipeline stage's ranks: pp_fsdp is fsdp, pp alone single (DDP
-    over one rank reduces nothing)."""
-    layout = layout.removeprefix("pp_")
-    return "single" if layout == "pp" else "ddp" if layout == "cp" else layout.removesuffix("_cp")
-
-
-def transient_bytes(strategy, shape, P, accum, knobs, tp, dp=1):
+def transient_bytes(layout, shape, P, accum, knobs):
     """What a strategy holds for a moment beyond its steady state. FSDP: 1 + prefetch units gathered (every unit,
     at the end of forward, with reshard_after_forward=false), the gradients of the unit in backward, and two units'
     flattened gradients in reduction; the largest unit is the embedding or the norm + head, V d parameters; under
     gradient accumulation, every unit's local gradient sum in reduce_dtype besides (P rb: 5.6 GB for gpt_1p3b at
     accumulation 8, over all of FSDP's 16P/N at N = 8).
     ZeRO-2 with local gradient accumulation: full local gradients between micro-steps (none with
-    accumulate=sharded); ZeRO with bf16 gradients: their float32 copy for the step, 4P/N; the larger of the two, as
-    parallel/zero.py measures it (buffers of a bucket or two in reduction left out)."""
-    if strategy in FSDP:  # HSDP: the same (its reduced slices in the all-reduce left out, as the reduce-scatters')
+    accumulate=sharded); ZeRO with bf16 gradients: their float32 copy for the step, 4P/N (N: layout.shard_ranks);
+    the larger of the two, as parallel/zero.py measures it (buffers of a bucket or two in reduction left out)."""
+    strategy, tp = layout.strategy, layout.tp
+    if strategy == "fsdp":  # HSDP: the same (its reduced slices in the all-reduce left out, as the reduce-scatters')
         d = shape["n_embd"]  # a pipeline stage without the embedding or the head: its largest unit is a block
         unit = (shape["vocab"] * d if shape.get("first", True) or shape.get("last", True) else 12 * d * d + 2 * d) / tp
         pb, rb = DTYPE_BYTES[knobs["param_dtype"]], DTYPE_BYTES[knobs["reduce_dtype"]]
@@ -316,12 +307,11 @@ def transient_bytes(strategy, shape, P, accum, knobs, tp, dp=1):
         if accum > 1:  # every unit's gradient sum, kept between micro-steps (the last one reduce-scatters those)
             return gathered * pb + unit * pb + P * rb
         return gathered * pb + unit * (pb + 2 * rb)
-    if strategy in ZERO:
+    if strategy in ("zero1", "zero2"):
         pb, rb = DTYPE_BYTES[knobs["param_dtype"]], DTYPE_BYTES[knobs["reduce_dtype"]]
         grad_bytes = max(pb, rb)
-        local = grad_bytes * P if strategy in ("zero2", "zero2_tp") and accum > 1 and knobs["accumulate"] == "local" \
-            else 0
-        return max(local, 4 * P / dp if grad_bytes == 2 else 0)
+        local = grad_bytes * P if strategy == "zero2" and accum > 1 and knobs["accumulate"] == "local" else 0
+        return max(local, 4 * P / layout.shard_ranks if grad_bytes == 2 else 0)
     return 0
 
 
@@ -336,18 +326,19 @@ def autocast_copy_bytes(shape, P, tp):
 
 
 # --- time
-def group_spans(world, tp, shard, plan, cp=1):
-    """{dim: ranks of its group in each node it spans, or None where the group lies within one node}. The mesh is
+def group_spans(layout, plan):
+    """{dim: ranks of its group in each node it spans, or None where the group lies within one node}, for one
+    pipeline stage's ranks (all of them without pp; a stage's ranks are neighbours, pp being outermost). The mesh is
     row-major (replicate, shard, cp, tp): a tp group is neighbours, a cp group ranks tp apart (one GPU per node
     when it spans nodes: each carries its own hops), a dp_shard group ranks cp x tp apart, a dp_replicate group
     ranks shard x cp x tp apart; dp is all of the data-parallel ranks (under cp, the dp x cp they reduce over)."""
-    n = plan.gpus_per_node
+    n, world, tp, cp, shard = plan.gpus_per_node, layout.stage_world, layout.tp, layout.cp, layout.shard_ranks
     return {"tp": None, "dp": None if world <= n else n // tp, "cp": None if cp * tp <= n else 1,
             "dp_shard": None if shard * cp * tp <= n else max(1, n // (cp * tp)),
             "dp_replicate": None if world <= n else max(1, n // (shard * cp * tp))}
 
 
-def bandwidths(world, tp, plan, shard=None, cp=1):
+def bandwidths(layout, plan):
     """Bytes/s each way for a collective over each mesh dimension. tp stays within a node. A group within one node
     rides the node's links; one that spans nodes crosses the network, where NCCL spreads the traffic over the NICs of
     the group's GPUs in each node (one per GPU): k GPUs per node give k x NIC bandwidth, capped by the in-node link
@@ -355,17 +346,16 @@ def bandwidths(world, tp, plan, shard=None, cp=1):
     groups hold one GPU per node when dp_shard is a node: one NIC's rate each."""
     intra = GPUS[plan.gpu][plan.link]
     return {dim: intra if k is None else min(intra, k * NETWORKS[plan.network])
-            for dim, k in group_spans(world, tp, shard or world // tp, plan, cp).items()}
+            for dim, k in group_spans(layout, plan).items()}
 
 
-def crosses_nodes(comm, world, tp, shard, plan, cp=1):
+def crosses_nodes(comm, layout, plan):
     """Of comm's bytes, those of collectives whose groups span nodes (each rank's, counted as comm counts them)."""
-    spans = group_spans(world, tp, shard, plan, cp)
+    spans = group_spans(layout, plan)
     return sum(v for (dim, _), v in comm.items() if spans.get(dim) is not None)
 
 
-def step_time(strategy, shape, world, tp, accum, micro, seq, comm, knobs, checkpointed, plan, cp=1,
-              cp_method="ring", act_bytes=2, shard=None):
+def step_time(layout, shape, accum, micro, seq, comm, knobs, checkpointed, plan, act_bytes=2):
     """(seconds per optimizer step, {what: seconds}). Compute: FLOPs of the rank's share at compute_efficiency x
     peak; forward 1/3, backward 2/3 of 6N + attention (model.flops_per_token), plus the forward of the blocks
     activation checkpointing recomputes. A collective of `counted` bytes over n ranks takes
@@ -383,14 +373,15 @@ def step_time(strategy, shape, world, tp, accum, micro, seq, comm, knobs, checkp
       cp ring        each hop of K, V runs while the block before it is computed: per layer and micro-step,
                      (cp - 1) x max(0, hop - one block's attention) in forward, and with dK, dV in backward
       cp all-gather  between the layers, exposed
-    Under cp, "dp" is the dp x cp ranks the gradients are reduced over."""
-    gpu, dp = GPUS[plan.gpu], world // tp
-    rate = gpu["peak"] * plan.compute_efficiency
+    Under cp, "dp" is the dp x cp ranks the gradients are reduced over. Under pp, `layout`'s numbers are one
+    stage's."""
+    tp, cp, shard, dp_cp = layout.tp, layout.cp, layout.shard_ranks, layout.reduce_ranks
+    strategy, cp_method = layout.strategy, knobs["cp_method"]
+    rate = GPUS[plan.gpu]["peak"] * plan.compute_efficiency
     fwd = shape["flops_per_token"] * micro * seq / cp / tp / 3 / rate
     bwd = (2 + checkpointed) * fwd
-    shard = shard or world // tp
-    bw = bandwidths(world, tp, plan, shard, cp)
-    size = {"dp": world // tp, "tp": tp, "cp": cp, "dp_shard": shard, "dp_replicate": world // tp // shard}
+    bw = bandwidths(layout, plan)
+    size = {"dp": dp_cp, "tp": tp, "cp": cp, "dp_shard": shard, "dp_replicate": dp_cp // shard}
     link = {k: bw[k] * plan.link_efficiency for k in bw}
     # a p2p hop sends and receives at once: counted twice, it takes bytes / 2 over the link one way
     t = Counter({k: v / 2 / link[k[0]] if k[1] == "p2p" else v * (size[k[0]] - 1) / size[k[0]] / link[k[0]]
@@ -408,13 +399,13 @@ def step_time(strategy, shape, world, tp, accum, micro, seq, comm, knobs, checkp
     elif cp > 1:
         exposed_cp = t["cp", "all_gather"] + t["cp", "reduce_scatter"]
     exposed += exposed_cp
-    if strategy in ("ddp", "tp"):  # tp: DDP over dp, when dp > 1
+    if strategy == "ddp":
         exposed += max(0.0, t["dp", "all_reduce"] - bwd)
-    elif strategy in ZERO:
+    elif strategy in ("zero1", "zero2"):
         n = accum if knobs["accumulate"] == "sharded" else 1  # reduce-scatters per step
         exposed += n * max(0.0, t["dp", "reduce_scatter"] / n - bwd) + t["dp", "all_gather"]
-    elif strategy in FSDP:
-        within = "dp_shard" if strategy == "hsdp" else "dp"
+    elif strategy == "fsdp":
+        within = "dp_shard" if layout.hsdp else "dp"
         reduce = t[within, "reduce_scatter"] + t["dp_replicate", "all_reduce"]
         gather = t[within, "all_gather"] / accum  # one micro-step's gathers
         fwd_gather = gather / 2 if knobs["reshard_after_forward"] else gather
@@ -469,7 +460,7 @@ def pp_bandwidth(world, plan):
     return intra if world <= plan.gpus_per_node else min(intra, NETWORKS[plan.network])
 
 
-def pp_predict(cfg, world, strategy, tp, ac, shape, plan, cp, pp):
+def pp_predict(cfg, layout, ac, shape, plan):
     """Pipeline parallelism (parallel/pp.py): pp stages of world / pp ranks each, the data strategy over each
     stage's dp ranks as without pp (_predict on the stage's share of the model, pp_stages). Per pp rank, besides:
       activations  one micro-batch's through the rank's blocks, times the micro-batches it holds at once (the
@@ -486,14 +477,15 @@ def pp_predict(cfg, world, strategy, tp, ac, shape, plan, cp, pp):
                    compute it runs behind
     The numbers reported are the rank with the most memory (what must fit); "pp_ranks" holds each rank's."""
     p, t = cfg.parallel, cfg.train
+    world, pp, tp, cp = layout.world, layout.pp, layout.tp, layout.cp
     v = p.pp_virtual if p.pp_schedule == "interleaved_1f1b" else 1
-    stages, stage_world = pp_stages(shape, pp, v), world // pp
-    ranks = [_predict(cfg, stage_world, strategy, tp, ac, s, plan, cp) for s in stages]
+    stages = pp_stages(shape, pp, v)
+    ranks = [_predict(cfg, layout, ac, s, plan) for s in stages]
     m, knobs = ranks[0]["accum"], ranks[0]["knobs"]
     bubble, held = pp_schedule_shape(p.pp_schedule, pp, m, v)
     split = tp if knobs["sequence_parallel"] else 1
     hop = t.micro_batch_size * (t.seq_len // cp) * shape["n_embd"] / split * DTYPE_BYTES[knobs["param_dtype"]]
-    clip = ("pp" if stage_world == 1 else "world", "all_reduce")  # the group parallel/comm.py files it under
+    clip = ("pp" if layout.stage_world == 1 else "world", "all_reduce")  # the group parallel/comm.py files it under
     for r, s, n_held in zip(ranks, stages, held):
         kept, recompute = r["one_micro_batch"]
         r["pp"] = pp
@@ -503,7 +495,7 @@ def pp_predict(cfg, world, strategy, tp, ac, shape, plan, cp, pp):
         r["comm"][clip] += 8
         r["comm_total"] += 8
     largest = max(range(pp), key=lambda k: ranks[k]["total_memory"])
-    out = {**ranks[largest], "strategy": strategy, "pp": pp, "pp_schedule": p.pp_schedule, "pp_virtual": v,
+    out = {**ranks[largest], "pp": pp, "pp_schedule": p.pp_schedule, "pp_virtual": v,
            "micro_batches": m, "bubble": bubble, "in_flight": held, "largest_stage": largest, "stage": stages[largest], "pp_ranks": ranks,
            "p2p_pipeline": 2 * m * hop * (pp * v - 1)}
     if plan is not None:
@@ -528,64 +520,38 @@ def pp_predict(cfg, world, strategy, tp, ac, shape, plan, cp, pp):
 
 
 # --- one layout, all of it
-def tp_degree(p, world):
-    return Layout.from_config(p, world).degrees["tp"]
-
-
-def shard_degree(cfg, world, strategy, tp, plan=None):
-    """The ranks each parameter is sharded over: the data-parallel ranks (dp x cp), or under HSDP dp_shard: the
-    configured one when the configured layout is hsdp, else (a ranked candidate) one node's GPUs."""
-    if strategy != "hsdp":
-        return world // tp
-    if Layout.from_config(cfg.parallel, world).name == "hsdp":
-        return Layout.from_config(cfg.parallel, world).degrees["dp_shard"]
-    return plan.gpus_per_node // tp if plan is not None else world // tp
-
-
-def predict(cfg, world, strategy=None, tp=None, ac=None, shape=None, plan=None, cp=None, pp=None):
-    """Every number of one layout: the configured one, or `strategy`/`tp`/`ac` (activation checkpointing mode)/`cp`/
-    `pp` in its place, the parallel knobs staying the configured ones. With `plan` (the cluster), step time and MFU
-    too. `strategy` is the layout's name (config.layout_name): fsdp_cp with cp > 1, fsdp with cp = 1, pp_fsdp with
-    pp > 1. Under pipeline parallelism: pp_predict."""
+def predict(cfg, layout=None, ac=None, shape=None, plan=None):
+    """Every number of one Layout (parallel/layout.py): the configured one where None (parallel.* on plan.world
+    ranks), the parallel knobs staying the configured ones; `ac`: activation checkpointing's mode, train's where
+    None. With `plan` (the cluster), step time and MFU too. Under pipeline parallelism: pp_predict."""
+    layout = Layout.from_config(cfg.parallel, cfg.plan.world) if layout is None else layout
     shape = shape or model_shape(cfg)
-    degrees = Layout.from_config(cfg.parallel, world).degrees
-    strategy = strategy or Layout.from_config(cfg.parallel, world).name
-    tp = tp or tp_degree(cfg.parallel, world)
-    cp = cp or degrees["cp"]
     ac = ac or cfg.train.activation_checkpointing
-    pp = pp or degrees["pp"]
-    if pp > 1:
-        return pp_predict(cfg, world, strategy, tp, ac, shape, plan, cp, pp)
-    return _predict(cfg, world, strategy, tp, ac, shape, plan, cp)
+    return (pp_predict if layout.pp > 1 else _predict)(cfg, layout, ac, shape, plan)
 
 
-def _predict(cfg, world, strategy, tp, ac, shape, plan, cp):
-    """predict for a rank of `world` ranks (under pp: of one stage's ranks, `shape` the stage's), the data strategy
-    over its dp x cp."""
-    data = data_strategy(strategy)  # the theory of the data-parallel ranks' strategy, over dp x cp of them
-    checkpointed = checkpointed_fraction(ac, shape["n_layer"], cfg.train.ac_every)
+def _predict(cfg, layout, ac, shape, plan):
+    """predict for a rank of one pipeline stage's ranks (all of them without pp; under pp `shape` is the stage's
+    share), the data strategy (layout.strategy) over its dp x cp."""
+    t, tp, cp = cfg.train, layout.tp, layout.cp
+    checkpointed = checkpointed_fraction(ac, shape["n_layer"], t.ac_every)
     knobs = {k: cfg.parallel.get(k, v) for k, v in KNOBS.items()}
     method = knobs["cp_method"]
-    t = cfg.train
     # auto: bf16 working weights where the strategy keeps a working copy and the run computes in bf16 (config.py)
-    knobs["param_dtype"] = Layout(1, data=DATA[data], impl=cfg.parallel.impl).working_dtype(knobs["param_dtype"],
-                                                "float32" if t.dtype == "float32" else "bfloat16")
-    dp = world // (tp * cp)
-    n = dp * cp  # the ranks gradients are reduced over
-    accum = t.global_batch_size // (t.micro_batch_size * dp)
+    knobs["param_dtype"] = layout.working_dtype(knobs["param_dtype"], compute_dtype(t))
+    n, shard = layout.reduce_ranks, layout.shard_ranks  # the ranks gradients are reduced over; those of a shard
+    accum = t.global_batch_size // (t.micro_batch_size * layout.dp)
     # auto: bf16 autocast, as on any GPU this plans for; bf16 working weights compute in bf16 whatever train.dtype
     act_bytes = 2 if knobs["param_dtype"] == "bfloat16" else DTYPE_BYTES.get(t.dtype, 2)
     P = params_per_rank(shape, tp)
-    shard = shard_degree(cfg, world, strategy, tp, plan)  # n, or HSDP's dp_shard
-    state = state_bytes(data, P, shard, optimizer_bytes(cfg.optim), knobs)
-    local_seq = t.seq_len // cp  # what each rank's tensor parallel moves
-    comm = comm_bytes(data, P, accum, knobs, shape, t.micro_batch_size, local_seq, act_bytes, tp, n, shard)
+    state = state_bytes(layout, P, optimizer_bytes(cfg.optim), knobs)
+    comm = comm_bytes(layout, P, accum, knobs, shape, t.micro_batch_size, t.seq_len // cp, act_bytes)
     if cp > 1:
         comm.update(cp_comm_bytes(shape, t.micro_batch_size, t.seq_len, act_bytes, accum, cp, method, tp,
                                   checkpointed))
     kept, recompute = cp_activation_bytes(shape, t.micro_batch_size, t.seq_len, act_bytes, cp, method, tp,
                                           knobs["sequence_parallel"], checkpointed)
-    memory = {**state, "transient": transient_bytes(data, shape, P, accum, knobs, tp, n),
+    memory = {**state, "transient": transient_bytes(layout, shape, P, accum, knobs),
               "activations": kept + recompute,
               "autocast copies": autocast_copy_bytes(shape, P, tp) if act_bytes == 2 and
               knobs["param_dtype"] == "float32" else 0}
@@ -594,8 +560,10 @@ def _predict(cfg, world, strategy, tp, ac, shape, plan, cp):
         # (b, H/tp, 2C, 2C) matrices at once (probabilities, their gradient, the scores')
         memory["ring scores"] = 3 * t.micro_batch_size * shape["n_head"] / tp * (t.seq_len // cp) ** 2 * 4
     dims = {"dp": "dp_cp" if cp > 1 else "dp"}  # as parallel/comm.py files them
-    out = {"strategy": strategy, "pp": 1, "tp": tp, "dp": dp, "cp": cp, "dp_shard": shard, "dp_replicate": n // shard,
-           "accum": accum, "ac": ac,
+    # dp_shard and dp_replicate as the theory sees them: the ranks of a shard (dp x cp, HSDP's dp_shard) and of a
+    # replica group
+    out = {"layout": layout, "pp": 1, "tp": tp, "dp": layout.dp, "cp": cp, "dp_shard": shard,
+           "dp_replicate": n // shard, "accum": accum, "ac": ac,
            "params_per_rank": P, "state": sum(state.values()), "memory": memory, "total_memory": sum(memory.values()),
            "comm": Counter({(dims.get(d, d), k): v for (d, k), v in comm.items()}),
            # as parallel/comm.py's comm_bytes: collectives; the ring's sends and receives apart
@@ -604,108 +572,77 @@ def _predict(cfg, world, strategy, tp, ac, shape, plan, cp):
     if cp > 1:
         out["balance"] = cp_balance(t.seq_len, cp)
     if plan is not None:
-        seconds, parts = step_time(data, shape, world, tp, accum, t.micro_batch_size, t.seq_len, comm, knobs,
-                                   checkpointed, plan, cp, method, act_bytes, shard)
+        seconds, parts = step_time(layout, shape, accum, t.micro_batch_size, t.seq_len, comm, knobs, checkpointed,
+                                   plan, act_bytes)
         parts["each"] = Counter({(dims.get(d, d), k): v for (d, k), v in parts["each"].items()})
         tokens = t.global_batch_size * t.seq_len
         out.update(step_s=seconds, time=parts, tok_per_s=tokens / seconds,
-                   mfu=shape["flops_per_token"] * tokens / seconds / (GPUS[plan.gpu]["peak"] * world),
+                   mfu=shape["flops_per_token"] * tokens / seconds / (GPUS[plan.gpu]["peak"] * layout.stage_world),
                    fits=out["total_memory"] <= plan.usable_memory * GPUS[plan.gpu]["memory"],
-                   crosses_nodes=crosses_nodes(comm, world, tp, shard, plan, cp))
+                   crosses_nodes=crosses_nodes(comm, layout, plan))
     return out
 
 
 def predict_run(run_dir):
-    """The prediction for a finished run of train.py, from its own resolved config.yaml at its world size (the
-    benchmark and the sweep report set it beside the run's measured counters)."""
+    """The prediction for a finished run of train.py, from its own resolved config.yaml and the Layout its first
+    record holds (Layout.record()): the benchmark and the sweep report set it beside the run's measured counters."""
     import json
     from omegaconf import OmegaConf
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         start = json.loads(f.readline())
     cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
     cfg.train.dtype = start["dtype"]  # what the run resolved `auto` to (the planner otherwise assumes a GPU's bf16)
-    return predict(cfg, start["world_size"])
+    return predict(cfg, Layout(**{f.name: start[f.name] for f in dataclasses.fields(Layout)}))
 
 
-def layout_problem(cfg, shape, world, strategy, tp, plan, cp=1, pp=1):
-    """Why this layout can't run, or None."""
-    t = cfg.train
-    if pp > 1:  # the pipeline's own rules (config.check_pipeline's), then those of one stage's world / pp ranks
-        s, L = cfg.parallel.pp_schedule, shape["n_layer"]
-        v = cfg.parallel.pp_virtual if s == "interleaved_1f1b" else 1
-        if world % (pp * tp * cp):
-            return f"plan.world={world} is not divisible by pp x tp x cp = {pp * tp * cp}"
-        if pp * v > L or L % (pp * v) and v > 1:
-            return f"pp={pp} x pp_virtual={v} stages do not split the model's {L} blocks"
-        dp = world // (pp * tp * cp)
-        if t.global_batch_size % (t.micro_batch_size * dp):
-            return (f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size "
-                    f"({t.micro_batch_size}) x data-parallel ranks ({dp})")
-        if v > 1 and (t.global_batch_size // (t.micro_batch_size * dp)) % pp:
-            return f"{s} needs micro-batches per step in multiples of pp={pp}"
-        strategy, world = data_strategy(strategy) if strategy == "pp" else strategy.removeprefix("pp_"), world // pp
-    if cp > 1:
-        if world % (tp * cp):
-            return f"plan.world={world} is not divisible by tp x cp = {tp * cp}"
-        if t.seq_len % (2 * cp):
-            return f"train.seq_len={t.seq_len} does not split into 2 x cp = {2 * cp} chunks"
-        if t.global_batch_size % (t.micro_batch_size * (world // (tp * cp))):
-            return (f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size "
-                    f"({t.micro_batch_size}) x data-parallel ranks ({world // (tp * cp)})")
-        strategy, world = data_strategy(strategy), world // cp  # the rest as for the layout without cp
-        if strategy == "ddp" and world == 1:
-            return None
-    if strategy == "single" and world != 1:
-        return "single runs on one GPU"
-    if strategy in ("ddp", "zero1", "zero2") and world < 2:
-        return f"{strategy} needs at least 2 GPUs"
-    if strategy in TP_STRATEGIES and tp < 2:
-        return f"{strategy} needs tp >= 2"
-    if strategy == "hsdp":
-        shard = shard_degree(cfg, world, strategy, tp, plan)
-        if shard < 1 or (world // tp) % shard or world // tp == shard:
-            return f"hsdp needs replicas of dp_shard={shard} ranks (plan.world={world}: more than one node)"
-    if world % tp:
-        return f"plan.world={world} is not divisible by tp={tp}"
-    if tp > plan.gpus_per_node or (world > plan.gpus_per_node and plan.gpus_per_node % tp):
-        return f"tp={tp} would span nodes of {plan.gpus_per_node} GPUs (tensor parallelism stays within a node)"
-    if shape["n_head"] % tp:
-        return f"tp={tp} does not divide the model's {shape['n_head']} heads"
-    if t.global_batch_size % (t.micro_batch_size * (world // tp)):
-        return (f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size "
-                f"({t.micro_batch_size}) x data-parallel ranks ({world // tp})")
+def cluster_problem(layout, plan):
+    """Why the planner can't price this layout on plan's cluster, or None: the cluster's own rules, of which train.py
+    knows nothing (a run's rules are the rule book's, Layout.problem, which the planner applies first). Tensor
+    parallelism stays within a node: its all-reduces sit between the layers, exposed, and over the network they
+    would be the step. An HSDP shard group lies within one node or spans whole nodes: group_spans prices a group by
+    its GPUs per node, which a group across a node's edge does not have evenly. (That plan.world is a whole number
+    of nodes is check_plan's: a property of the cluster, told before any layout is built.)"""
+    n, tp = plan.gpus_per_node, layout.tp
+    if tp > n or (layout.world > n and n % tp):
+        return f"tp={tp} would span nodes of {n} GPUs (tensor parallelism stays within a node)"
+    if layout.hsdp and n % layout.dp_shard and layout.dp_shard % n:
+        return (f"parallel.dp_shard={layout.dp_shard}: HSDP's shard groups would straddle nodes of {n} GPUs (the "
+                f"planner prices a shard group within one node or over whole nodes); use a divisor or a multiple of "
+                f"{n}")
     return None
 
 
-def candidates(world, plan):
-    """Every (layout, tp, cp, pp) the theory covers for this world: tp over the divisors of world within a node;
-    context parallel over every divisor of world, with DDP or FSDP over dp x cp, and FSDP x TP beside it within a
-    node; HSDP (a shard group per node) where there is more than one node; pipeline stages over every divisor of
-    world (outermost: across nodes first), with DDP or FSDP over each stage's ranks, and FSDP x TP within a node."""
-    for s in SHARDED:
-        if s == "hsdp" and world <= plan.gpus_per_node:
-            continue  # one node: HSDP's shard group is all of it, which is fsdp
-        if s == "tp":
-            yield s, world, 1, 1
-        elif s in TP_STRATEGIES:
-            yield from ((s, k, 1, 1) for k in range(2, min(world, plan.gpus_per_node) + 1)
-                        if world % k == 0 and k < world)
-        else:
-            yield s, 1, 1, 1
+def candidates(world, plan, impl="scratch"):
+    """Every Layout the planner ranks for this world, with `impl`: each data strategy over all ranks; tensor
+    parallelism over all ranks, and over 2 .. a node's GPUs (dividing world) with FSDP, ZeRO-1 or ZeRO-2 over the
+    rest; HSDP with a shard group per node where there is more than one node; context parallel over every divisor
+    of world, with DDP or FSDP over dp x cp, and FSDP x TP beside it within a node; pipeline stages over every
+    divisor of world (outermost: across nodes first), with DDP (nothing to reduce where a stage is one rank) or FSDP
+    over each stage's ranks, and FSDP x TP within a node. Whether one can run this model, batch and knobs is the
+    rule book's to say (ranking)."""
+    n = plan.gpus_per_node
+    for data in DATA_STRATEGIES:
+        yield Layout(world, dp_shard=world, data=data, impl=impl)
+    yield Layout(world, tp=world, data="ddp", impl=impl)
+    for data in ("fsdp", "zero1", "zero2"):
+        yield from (Layout(world, dp_shard=world // k, tp=k, data=data, impl=impl)
+                    for k in range(2, min(world, n) + 1) if world % k == 0 and k < world)
+    if world > n:  # on one node, HSDP's shard group would be all of it: fsdp
+        yield Layout(world, dp_replicate=world // n, dp_shard=n, data="fsdp", impl=impl)
     for cp in range(2, world + 1):
         if world % cp == 0:
-            yield "cp", 1, cp, 1
-            yield "fsdp_cp", 1, cp, 1
-            yield from (("fsdp_tp_cp", k, cp, 1) for k in range(2, plan.gpus_per_node + 1)
-                        if (world // cp) % k == 0 and k * cp <= plan.gpus_per_node)
+            yield Layout(world, dp_shard=world // cp, cp=cp, data="ddp", impl=impl)
+            yield Layout(world, dp_shard=world // cp, cp=cp, data="fsdp", impl=impl)
+            yield from (Layout(world, dp_shard=world // (cp * k), cp=cp, tp=k, data="fsdp", impl=impl)
+                        for k in range(2, n + 1) if (world // cp) % k == 0 and k * cp <= n)
     for pp in range(2, world + 1):
         if world % pp == 0:
             stage = world // pp  # ranks per stage
-            yield ("pp", 1, 1, pp) if stage == 1 else ("pp_ddp", 1, 1, pp)
+            yield Layout(world, pp=pp, dp_shard=stage, data="ddp", impl=impl)
             if stage > 1:
-                yield "pp_fsdp", 1, 1, pp
-            yield from (("pp_fsdp_tp", k, 1, pp) for k in range(2, min(stage, plan.gpus_per_node) + 1)
-                        if stage % k == 0 and plan.gpus_per_node % k == 0)
+                yield Layout(world, pp=pp, dp_shard=stage, data="fsdp", impl=impl)
+            yield from (Layout(world, pp=pp, dp_shard=stage // k, tp=k, data="fsdp", impl=impl)
+                        for k in range(2, min(stage, n) + 1) if stage % k == 0 and n % k == 0)
 
 
 # --- the command
@@ -739,13 +676,12 @@ def pipeline_part(r):
     return f"pp={r['pp']}{v} ({r['pp_schedule']}, {r['micro_batches']} micro-batches, bubble {r['bubble']:.1%})"
 
 
-def report(cfg, shape):
-    """The plan as text: the configured layout in detail, then the ranking."""
+def report(cfg, shape, layout=None):
+    """The plan as text: the layout (the configured one where None) in detail, then the ranking."""
     plan, t, world = cfg.plan, cfg.train, cfg.plan.world
-    chosen = predict(cfg, world, shape=shape, plan=plan)
-    gpu = GPUS[plan.gpu]
-    pp = chosen["pp"]
-    bw = bandwidths(world // pp, chosen["tp"], plan, chosen["dp_shard"], chosen["cp"])
+    chosen = predict(cfg, layout, shape=shape, plan=plan)
+    layout, gpu, pp = chosen["layout"], GPUS[plan.gpu], chosen["pp"]
+    bw = bandwidths(layout, plan)
     bw["dp_cp"] = bw["dp"]
     bw["pp"] = pp_bandwidth(world, plan)
     bw["world"] = min(bw.values())
@@ -768,8 +704,8 @@ def report(cfg, shape):
         f"{plan.compute_efficiency:.0%} of peak compute, {plan.link_efficiency:.0%} of link bandwidth",
         "knobs: " + ", ".join(f"{k}={v}" for k, v in chosen["knobs"].items()),
         "",
-        f"layout: parallel={chosen['strategy']} {pipeline_part(chosen) + ' x ' if pp > 1 else ''}dp={chosen['dp']}"
-        f"{' (dp_replicate={dp_replicate} x dp_shard={dp_shard})'.format(**chosen) * (chosen['strategy'] == 'hsdp')}"
+        f"layout: parallel={layout.name} {pipeline_part(chosen) + ' x ' if pp > 1 else ''}dp={chosen['dp']}"
+        f"{' (dp_replicate={dp_replicate} x dp_shard={dp_shard})'.format(**chosen) * layout.hsdp}"
         f" x {cp_part}tp={chosen['tp']}, gradient accumulation {chosen['accum']}, "
         f"{chosen['params_per_rank'] / 1e6:.1f}M parameters per rank{balance}",
         *([f"pipeline: the largest pp rank, {chosen['largest_stage']} ({chosen['stage']['n_layer']} blocks"
@@ -780,7 +716,7 @@ def report(cfg, shape):
         "memory per rank (GB)",
     ]
     for ac in ("none", "full"):
-        p = predict(cfg, world, ac=ac, shape=shape, plan=plan)
+        p = predict(cfg, layout, ac=ac, shape=shape, plan=plan)
         m = p["memory"]
         if ac == "none":
             master = f"   fp32 master {gb(m['master'])}" if "master" in m else ""
@@ -814,22 +750,24 @@ def report(cfg, shape):
 
 
 def ranking(cfg, shape, world, plan):
+    """Every candidate layout that the rule book (the one train.py applies, with the configured knobs, model and
+    batch) and the cluster's rules accept, predicted with and without activation checkpointing, fastest first among
+    those that fit; the others listed with the line that refuses them."""
     rows, skipped = [], []
-    for strategy, tp, cp, pp in candidates(world, plan):
-        problem = layout_problem(cfg, shape, world, strategy, tp, plan, cp, pp)
+    for layout in candidates(world, plan, cfg.parallel.impl):
+        problem = rule_book(cfg, layout) or cluster_problem(layout, plan)
         if problem:
-            skipped.append(f"{strategy} tp={tp}{f' cp={cp}' if cp > 1 else ''}{f' pp={pp}' if pp > 1 else ''}: "
-                           f"{problem}")
+            skipped.append(f"{layout.name} ({layout.describe()}): {problem}")
             continue
         for ac in ("none", "full"):
-            rows.append(predict(cfg, world, strategy, tp, ac, shape, plan, cp, pp))
+            rows.append(predict(cfg, layout, ac, shape, plan))
     rows.sort(key=lambda r: (not r["fits"], r["step_s"], r["total_memory"]))
     lines = [f"every layout on {world} GPU(s), fastest first among those that fit (the knobs above):",
              "| rank | parallel | dp | tp | cp | accum | AC | memory GB | fits | comm GB/step | step ms | exposed comm "
              "ms | tokens/s | MFU | across nodes GB/step | pipeline |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(rows, 1):
-        lines.append(f"| {i if r['fits'] else '-'} | {r['strategy']} | {r['dp']} | {r['tp']} | {r['cp']} | "
+        lines.append(f"| {i if r['fits'] else '-'} | {r['layout'].name} | {r['dp']} | {r['tp']} | {r['cp']} | "
                      f"{r['accum']} | "
                      f"{r['ac']} | {r['total_memory'] / 1e9:.1f} | {'yes' if r['fits'] else 'no'} | "
                      f"{(r['comm_total'] + r['p2p_total']) / 1e9:.2f} | {r['step_s'] * 1e3:.0f} | "
@@ -847,6 +785,28 @@ def compose(overrides, config_name="plan"):
         return hydra_compose(config_name=config_name, overrides=overrides)
 
 
+def rule_book(cfg, layout):
+    """The rule book's line for `layout` with cfg's knobs, model and batch on a GPU (config.layout_problem, the call
+    config.check makes), or None."""
+    return config.layout_problem(cfg, layout, compute_dtype(cfg.train))
+
+
+def check(cfg):
+    """Everything the planner can know wrong before it plans: the cluster (check_plan), the settings
+    (config.validate), the run's own rules on plan.world GPUs (config.rules: the model's, the layout's degrees and
+    the rule book, as train.py applies them), then the cluster's rules for the layout (cluster_problem). Returns
+    the Layout; raises ConfigError with one line."""
+    problem = check_plan(cfg.plan)
+    if problem:
+        raise config.ConfigError(problem)
+    config.validate(cfg)
+    layout = config.rules(cfg, cfg.plan.world, compute_dtype(cfg.train))
+    problem = cluster_problem(layout, cfg.plan)
+    if problem:
+        raise config.ConfigError(problem)
+    return layout
+
+
 def main(argv):
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
@@ -858,28 +818,11 @@ def main(argv):
         cfg = compose(argv)
     except Exception as e:  # Hydra's own message: unknown group option, bad override syntax, missing key
         sys.exit(f"error: {str(e).splitlines()[0]}")
-    problem = check_plan(cfg.plan)
-    shape = model_shape(cfg) if not problem else None
-    if not problem:  # the rules train.py applies
-        try:
-            config.validate(cfg)
-        except config.ConfigError as e:
-            problem = str(e)
-    if not problem:  # the rules train.py applies
-        try:
-            layout = Layout.from_config(cfg.parallel, cfg.plan.world)
-        except LayoutError as e:
-            problem = str(e)
-    if not problem:
-        t = cfg.train
-        problem = layout.problem(cfg.parallel, config.model_config(cfg, prepare.vocab_size(cfg.data)), t.seq_len,
-                                 t.global_batch_size, t.micro_batch_size, t.compile,
-                                 "float32" if t.dtype == "float32" else "bfloat16")
-    if not problem:
-        problem = layout_problem(cfg, shape, cfg.plan.world, layout.name, layout.tp, cfg.plan, layout.cp, layout.pp)
-    if problem:
-        sys.exit(f"error: {problem}")
-    print(report(cfg, shape))
+    try:
+        layout = check(cfg)
+    except config.ConfigError as e:
+        sys.exit(f"error: {e}")
+    print(report(cfg, model_shape(cfg), layout))
 
 
 if __name__ == "__main__":
