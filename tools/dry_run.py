@@ -58,6 +58,7 @@ from config import ConfigError
 from data import prepare
 from model import GPT
 from parallel.comm import CommCounter
+from parallel.layout import Layout
 from parallel.strategy import dp_mesh
 from tools import plan
 
