@@ -108,7 +108,7 @@ def test_all_five_at_world_32(tmp_path, rank):
     layout, _, dtype, accum, compute, predicted = dry_run.check(cfg)
     assert layout.name == "pp_hsdp_tp_cp" and predicted is None and compute == "fake"  # no planner prediction
     m = dry_run.run(cfg, str(tmp_path / "run"))
-    real = dry_run.measure(cfg, rank, 32, "real", "cpu", dtype, accum, 1)
+    real = dry_run.measure(cfg, layout, rank, "real", "cpu", dtype, accum, 1)
     for key in ("state_bytes", "transient_bytes", "activation_bytes", "comm_bytes", "comm"):
         assert real[key] == m[key], key
     assert m["dims"] == {"pp": 2, "dp": 4, "cp": 2, "tp": 2} and accum == 2
@@ -116,7 +116,8 @@ def test_all_five_at_world_32(tmp_path, rank):
     shape = plan.model_shape(cfg)
     stage = plan.pp_stages(shape, 2)[rank // 16]
     P, shard, b, T, d = plan.params_per_rank(stage, 2), 2 * 2, 1, 64, shape["n_embd"]
-    assert m["state_bytes"] == pytest.approx(sum(plan.state_bytes("fsdp", P, shard).values()), rel=1e-3)
+    assert layout.shard_ranks == shard
+    assert m["state_bytes"] == pytest.approx(sum(plan.state_bytes(layout, P).values()), rel=1e-3)
     c = m["comm"]
     expect = {("dp_shard_cp", "all_gather"): accum * 2 * P * 4, ("dp_shard_cp", "reduce_scatter"): P * 4,
               ("dp_replicate", "all_reduce"): 2 * P / shard * 4,
