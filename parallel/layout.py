@@ -98,10 +98,11 @@ class Layout:
     def _mesh_problem(self):
         """Why these degrees don't make a mesh of `world` ranks, or None."""
         world, tp, d = self.world, self.tp, self.degrees
-        if self.name == "single":
+        alone = self.pp == self.cp == tp == 1  # no model parallelism: a data strategy, or none
+        if alone and self.data == "none":
             return None if world == 1 else \
                 f"parallel=single runs in one process, but {world} were launched; pick a parallel strategy"
-        if world < 2 and self.name != "fsdp":  # FSDP on one rank: its machinery, timed alone
+        if world < 2 and not (alone and self.data == "fsdp"):  # FSDP on one rank: its machinery, timed alone
             return (f"parallel={self.name} needs several processes, but this is one; launch it with "
                     f"`torchrun --nproc_per_node=N train.py parallel={self.name}` (N >= 2)")
         if world % tp:
