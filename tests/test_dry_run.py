@@ -230,7 +230,8 @@ def test_planner_and_dry_run_refuse_alike(world, datas, impls):
             assert said is None and ran == dry_run.fake_group_problem(layout), (p, said, ran)
         lines[tuple(p.values())] = said
     refused = {line for line in lines.values() if line}
-    assert None in lines.values() and len(refused) >= 5, refused  # a grid that tells accepting from refusing
+    # a grid that tells accepting from refusing (at 32, ddp and fsdp alone: only HSDP's replicas beside ddp refused)
+    assert None in lines.values() and len(refused) >= (5 if world == 8 else 1), refused
     # the two layouts the planner once ranked though train.py refused them: pp x tp x cp (since built: accepted by
     # both), and pp under DeepSpeed (refused by both)
     assert lines["fsdp", "scratch", 2, 2, 2, 1, None] is None
