@@ -146,6 +146,51 @@ def torchrun_jobs(nproc, jobs, timeout=600):
     return p
 
 
+# --- one launch per world size for the whole session. Each rank spends seconds importing torch, Hydra and W&B, and
+# the agent does too: the test files' equivalence runs of one world size share a single torchrun_jobs launch. A test
+# module registers its jobs with @launch_jobs(world); the fixture launch<world> runs the jobs of every module whose
+# selected tests use it (`pytest -m quick`: the quick tier's alone; one file: that file's), module by module
+LAUNCHES = {}
+
+
+def launch_jobs(world):
+    """Registers fn(root, request) -> {key: (run dir, overrides)} as its module's jobs in the session's launch of
+    `world` ranks; they run in that order. fn may ask request.getfixturevalue for session fixtures (single,
+    launch2: a world-4 job may resume a world-2 job's checkpoint)."""
+    def register(fn):
+        LAUNCHES.setdefault(world, {})[fn.__module__] = fn
+        return fn
+    return register
+
+
+def shared_launch(world):
+    @pytest.fixture(scope="session", name=f"launch{world}")
+    def launch(request, tmp_path_factory):
+        """{module name: ({key: run dir}, the launch)} for the modules whose selected tests use this fixture."""
+        name = f"launch{world}"
+        users = {item.module.__name__ for item in request.session.items
+                 if name in getattr(item, "fixturenames", ()) and getattr(item, "module", None)}
+        root, dirs, jobs = tmp_path_factory.mktemp(name), {}, []
+        for module in sorted(users & LAUNCHES.get(world, {}).keys()):
+            these = LAUNCHES[world][module](root / module, request)
+            dirs[module] = {key: run_dir for key, (run_dir, _) in these.items()}
+            jobs += these.values()
+        p = torchrun_jobs(world, jobs, timeout=max(600, 60 * len(jobs)))
+        return {module: (d, p) for module, d in dirs.items()}
+    return launch
+
+
+launch2, launch4, launch8 = (shared_launch(world) for world in (2, 4, 8))
+
+
+def pytest_collection_finish(session):
+    """Python's full collections walk every live object (torch's, Hydra's, W&B's: 0.2-0.6 s each here, and every
+    in-process train.run ends with one): what exists once the tests are collected is left out of them for good."""
+    import gc
+    gc.collect()
+    gc.freeze()
+
+
 def job_output(p, run_dir):
     """What rank 0 printed during one job of torchrun_jobs' launch p."""
     return p.stdout.split(f"layouts: start {run_dir}\n", 1)[1].split(f"layouts: done {run_dir}\n", 1)[0]

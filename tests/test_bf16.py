@@ -11,8 +11,8 @@ import torch
 
 import config
 import train
-from conftest import (RUN, STEPS, assert_same_steps, assert_same_weights, losses, make_cfg, read_metrics,
-                      small_run, torchrun_jobs)
+from conftest import (RUN, STEPS, assert_same_steps, assert_same_weights, launch_jobs, losses, make_cfg,
+                      read_metrics, small_run)
 from parallel.layout import Layout
 from tools import plan
 
@@ -52,14 +52,22 @@ def fused_run(strategy, impl, extra):
     return small_run(*RUN, f"parallel={strategy}", f"parallel.impl={impl}", extra, "optim.fused=true")
 
 
+@launch_jobs(2)
+def jobs(root, request):
+    """All ten cases and the fused ones, in the session's world-2 launch (none where this file is skipped)."""
+    if not config.bf16_supported("cpu"):
+        return {}
+    these = {c: (str(root / "-".join(c)), bf16_run(*c)) for c in CASES}
+    these.update({("fused", *c): (str(root / ("fused-" + "-".join(c))), fused_run(*c)) for c in FUSED})
+    return these
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every case's run dir: all ten in one torchrun launch, and parallel=single in bf16 in this process."""
+def runs(launch2, tmp_path_factory):
+    """Every case's run dir: all of them in the session's world-2 launch, and parallel=single in bf16 in this
+    process."""
     root = tmp_path_factory.mktemp("bf16")
-    dirs = {c: str(root / "-".join(c)) for c in CASES}
-    dirs.update({("fused", *c): str(root / ("fused-" + "-".join(c))) for c in FUSED})
-    torchrun_jobs(2, [(dirs[c], bf16_run(*c)) for c in CASES] +
-                  [(dirs["fused", *c], fused_run(*c)) for c in FUSED])
+    dirs = dict(launch2[__name__][0])
     dirs["single"] = str(root / "single")
     train.run(make_cfg(*small_run(*RUN, "train.dtype=bfloat16", "checkpoint.keep=0")), dirs["single"])
     dirs["fused-single"] = str(root / "fused-single")

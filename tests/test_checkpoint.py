@@ -17,7 +17,7 @@ import torch
 
 import sample
 import train
-from conftest import ROOT, assert_same_weights, make_cfg, read_metrics, small_run, torchrun
+from conftest import ROOT, assert_same_weights, forked, launch_jobs, make_cfg, read_metrics, small_run, torchrun
 from data import prepare, shards
 import checkpoint
 
@@ -224,12 +224,15 @@ def test_resharding_chain_across_strategies_and_world_sizes(tmp_path):
     saver = "single, 1 rank"
     for i, (name, impl, world) in enumerate(CHAIN):
         run_dir = str(tmp_path / f"{i}-{name}-{impl}-{world}")
+        # the next link resumes from step i + 2: saves at its multiples (and at the end) serve it, and cost less
+        # than one every step
         overrides = [*base, f"parallel={name}", f"train.resume={prev}/checkpoints/step_{i + 1:07d}",
-                     *([f"parallel.impl={impl}"] if impl else [])]
+                     *([f"parallel.impl={impl}"] if impl else []), f"checkpoint.every={i + 2}"]
+        cfg = make_cfg(*overrides)
         if world == 1:
-            train.run(make_cfg(*overrides), run_dir)
-        else:
-            torchrun(world, run_dir, *overrides)
+            train.run(cfg, run_dir)
+        else:  # ranks forked from this process: torchrun's fresh interpreters cost CI a minute over the chain
+            forked(world, lambda: train.run(cfg, run_dir))
         got = step_losses(run_dir)
         assert min(got) == i + 2, (name, sorted(got))
         for s in got:  # float32 sums in another order: equal to ~1e-6
@@ -251,11 +254,15 @@ FAULT = small_run("train.max_steps=60", "checkpoint.every=5", "checkpoint.keep=2
                   "train.global_batch_size=16", "train.micro_batch_size=2", "parallel=fsdp")
 
 
+@launch_jobs(2)
+def jobs(root, request):
+    """The faults' reference, 60 uninterrupted steps on 2 ranks, in the session's world-2 launch."""
+    return {"ref2": (str(root / "ref2"), FAULT)}
+
+
 @pytest.fixture(scope="module")
-def ref2(tmp_path_factory):
-    run_dir = str(tmp_path_factory.mktemp("ref2") / "run")
-    torchrun(2, run_dir, *FAULT)
-    return run_dir
+def ref2(launch2):
+    return launch2[__name__][0]["ref2"]
 
 
 def agent(*args, restarts=0):

@@ -1,21 +1,19 @@
 """Context parallelism (parallel/cp.py): ring and all-gather attention equal to single-process training alone and
 composed with data and tensor parallel, the ring's attention against plain causal attention, the zig-zag split's
 balance, and communication counted hop by hop against the formulas."""
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import RUN, assert_same_steps, assert_same_weights, forked, job_output, make_cfg, read_metrics, \
-    small_run, torchrun_jobs
+from conftest import RUN, assert_same_steps, assert_same_weights, forked, job_output, launch_jobs, make_cfg, \
+    read_metrics, small_run
 from parallel import cp
 from tools import plan
 
 L, D = 2, 64  # small_run's model: layers, width
-# (case id, world, overrides); the world-4 cases share one launch, the world-2 ones another
-# cp=2 runs both methods beside dp (cp2-ddp2: ring; cp2-fsdp2-allgather), cp=4 both alone: one launch of 4 ranks (a
-# world-2 launch of cp=2 alone cost CI 34 s and added no path these don't take)
+# (case id, world, overrides), in the session's world-4 launch. cp=2 runs both methods beside dp (cp2-ddp2: ring;
+# cp2-fsdp2-allgather), cp=4 both alone (a world-2 launch of cp=2 alone cost CI 34 s and added no path these don't
+# take)
 CASES = [
     ("cp4-ring", 4, ["parallel=cp"]),
     ("cp4-allgather", 4, ["parallel=cp", "parallel.cp_method=allgather"]),
@@ -30,16 +28,19 @@ IDS = [c[0] for c in CASES]
 RESUME = ["parallel=cp", "train.resume=RUN/checkpoints/step_0000003"]
 
 
+@launch_jobs(4)
+def jobs(root, request):
+    """Every case and the resumed run, in the session's world-4 launch."""
+    these = {case: (str(root / case), small_run(*RUN, *o)) for case, _, o in CASES}
+    resume = [o.replace("RUN", these["cp2-fsdp2-allgather"][0]) for o in RESUME]
+    return {**these, "resume": (str(root / "resume"), small_run(*RUN, *resume))}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """{case id: run dir}: every case, in one torchrun launch."""
-    root = tmp_path_factory.mktemp("cp")
-    dirs = {case: str(root / case) for case in IDS + ["resume"]}
-    resume = [o.replace("RUN", dirs["cp2-fsdp2-allgather"]) for o in RESUME]
-    jobs = [(dirs[c], small_run(*RUN, *o)) for c, _, o in CASES]
-    launch = torchrun_jobs(4, jobs + [(dirs["resume"], small_run(*RUN, *resume))])
-    dirs["sample"] = job_output(launch, dirs["cp2-tp2"])  # sampling runs whole sequences, plain attention
-    return dirs
+def runs(launch4):
+    """{case id: run dir}, and what cp2-tp2 printed."""
+    dirs, launch = launch4[__name__]
+    return {**dirs, "sample": job_output(launch, dirs["cp2-tp2"])}  # sampling runs whole sequences, plain attention
 
 
 def kv_bytes(run):
@@ -106,6 +107,7 @@ def test_attention_equals_causal(method, world):
     forked(world, lambda: _ring_worker(method))
 
 
+@pytest.mark.quick
 # --- balance: (query, key) pairs per rank
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_zigzag_balance(n, T=1024):
@@ -133,6 +135,7 @@ def test_zigzag_balance(n, T=1024):
         assert computed == zigzag[r]
 
 
+@pytest.mark.quick
 # --- bad input: one line, before any work
 @pytest.mark.parametrize("overrides,world,message", [
     (["parallel=cp", "train.seq_len=60"], 4, "splits each sequence into 2 x cp = 8 equal chunks"),

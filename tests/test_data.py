@@ -7,6 +7,8 @@ import torch
 from conftest import SHARED, make_cfg
 from data import prepare, shards, tokenizer
 
+pytestmark = pytest.mark.quick  # the quick tier: all of this file is fast, in this process
+
 
 @pytest.mark.parametrize("dtype,top", [(np.uint16, 65535), (np.uint32, 2**20)])
 def test_shard_round_trip(tmp_path, dtype, top):

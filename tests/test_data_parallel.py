@@ -8,18 +8,15 @@ of torch's FSDP2 with MixedPrecisionPolicy, checkpoints of fp32 weights that res
 DeepSpeed's ZeRO stages 1, 2 and 3 (parallel.impl=deepspeed), where it is installed: the same steps as single, its
 own state and traffic measured, and its checkpoints resumed by ours."""
 import importlib.util
-import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import train
 import config
-from conftest import (RUN, STEPS, assert_refused, assert_same_steps, assert_same_weights, final_weights, losses,
-                      make_cfg, read_metrics, small_run, torchrun_jobs)
+from conftest import (RUN, STEPS, assert_refused, assert_same_steps, assert_same_weights, final_weights, forked,
+                      launch_jobs, losses, make_cfg, read_metrics, small_run)
 from model import GPT, GPTConfig
 from parallel.ddp import DDP
 from parallel.layout import Layout
@@ -51,35 +48,42 @@ def mixed(stage, reduce_dtype, accumulate, *extra):
                      f"parallel.reduce_dtype={reduce_dtype}", f"parallel.accumulate={accumulate}", *extra)
 
 
+def run_dir(root, key):
+    name = key if isinstance(key, str) else ("mixed-" if len(key) == 4 else "") + "-".join(map(str, key))
+    return str(root / name)
+
+
+@launch_jobs(2)
+def jobs2(root, request):
+    """Every world-2 case and the bf16, twin, sharded, resumed and DeepSpeed runs, in the session's world-2 launch."""
+    these = {c: small_run(*RUN, f"parallel={c[0]}", f"parallel.impl={c[1]}") for c in CASES if c[2] == 2}
+    these.update({c: mixed(*c[:3], *(["checkpoint.every=3"] if c == SAVER else [])) for c in MIXED if c[3] == 2})
+    these.update({("bf16", s): small_run(*RUN, f"parallel={s}", "parallel.reduce_dtype=bfloat16") for s in BF16})
+    these["twin"] = mixed("zero2", "bfloat16", "local", "parallel.impl=torch")
+    these["fp32-sharded"] = small_run(*RUN, "parallel=zero2", "parallel.accumulate=sharded")
+    these["resumed"] = mixed(*SAVER[:3], f"train.resume={run_dir(root, SAVER)}/checkpoints/step_0000003")
+    if DEEPSPEED:  # each stage checkpoints at step 3; ours (zero2) resumes ZeRO-3's
+        these.update({("deepspeed", s): small_run(*RUN, f"parallel={s}", "parallel.impl=deepspeed",
+                                                  "checkpoint.every=3") for s in DS})
+        these["ds-resumed"] = small_run(*RUN, "parallel=zero2", f"train.resume={run_dir(root, ('deepspeed', 'fsdp'))}"
+                                                                "/checkpoints/step_0000003")
+    return {k: (run_dir(root, k), o) for k, o in these.items()}
+
+
+@launch_jobs(4)
+def jobs4(root, request):
+    """Every world-4 case, and SAVER's checkpoint (world 2) into the other stage, gradient dtype and world size."""
+    saver = request.getfixturevalue("launch2")[__name__][0][SAVER]
+    these = {c: small_run(*RUN, f"parallel={c[0]}", f"parallel.impl={c[1]}") for c in CASES if c[2] == 4}
+    these.update({c: mixed(*c[:3]) for c in MIXED if c[3] == 4})
+    these["resharded"] = mixed("zero1", "float32", "local", f"train.resume={saver}/checkpoints/step_0000003")
+    return {k: (run_dir(root, k), o) for k, o in these.items()}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every case's run dir: all of one world size's jobs in one torchrun launch (and the bf16 ones with world 2)."""
-    root = tmp_path_factory.mktemp("dp")
-    dirs = {(s, i, w): str(root / f"{s}-{i}-{w}") for s, i, w in CASES}
-    dirs.update({("bf16", s): str(root / f"bf16-{s}") for s in BF16})
-    dirs.update({c: str(root / ("mixed-" + "-".join(map(str, c)))) for c in MIXED})
-    dirs.update({k: str(root / k) for k in ("twin", "fp32-sharded", "resumed", "resharded", "ds-resumed")})
-    dirs.update({("deepspeed", s): str(root / f"deepspeed-{s}") for s in DS})
-    step3 = f"train.resume={dirs[SAVER]}/checkpoints/step_0000003"
-    for world in (2, 4):
-        jobs = [(dirs[c], small_run(*RUN, f"parallel={c[0]}", f"parallel.impl={c[1]}")) for c in CASES if c[2] == world]
-        jobs += [(dirs[c], mixed(*c[:3], *(["checkpoint.every=3"] if c == SAVER else []))) for c in MIXED
-                 if c[3] == world]
-        if world == 2:
-            jobs += [(dirs["bf16", s], small_run(*RUN, f"parallel={s}", "parallel.reduce_dtype=bfloat16"))
-                     for s in BF16]
-            jobs += [(dirs["twin"], mixed("zero2", "bfloat16", "local", "parallel.impl=torch")),
-                     (dirs["fp32-sharded"], small_run(*RUN, "parallel=zero2", "parallel.accumulate=sharded")),
-                     (dirs["resumed"], mixed(*SAVER[:3], step3))]
-            if DEEPSPEED:  # each stage checkpoints at step 3; ours (zero2) resumes ZeRO-3's
-                jobs += [(dirs["deepspeed", s], small_run(*RUN, f"parallel={s}", "parallel.impl=deepspeed",
-                                                          "checkpoint.every=3")) for s in DS]
-                jobs += [(dirs["ds-resumed"], small_run(*RUN, "parallel=zero2", f"train.resume={dirs['deepspeed', 'fsdp']}"
-                                                                                  "/checkpoints/step_0000003"))]
-        else:  # SAVER's checkpoint into the other stage, gradient dtype and world size
-            jobs += [(dirs["resharded"], mixed("zero1", "float32", "local", step3))]
-        torchrun_jobs(world, jobs)
-    return dirs
+def runs(launch2, launch4):
+    """Every case's run dir: each world size's jobs in the session's launch of that many ranks."""
+    return {**launch2[__name__][0], **launch4[__name__][0]}
 
 
 @pytest.mark.parametrize("strategy,impl,world", CASES, ids=[f"{s}-{i}-{w}" for s, i, w in CASES])
@@ -267,6 +271,7 @@ def test_deepspeed_resume_refused(tmp_path, single):
                            str(tmp_path / "run"), 2)
 
 
+@pytest.mark.quick
 def test_deepspeed_not_installed(tmp_path, monkeypatch):
     """Without DeepSpeed, one line names the install, before any work."""
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
@@ -276,7 +281,7 @@ def test_deepspeed_not_installed(tmp_path, monkeypatch):
                               "pip install deepspeed==0.19.8")
 
 
-# ---- in-process checks with a tiny GPT on 2 ranks (torch.multiprocessing, gloo) ----
+# ---- in-process checks with a tiny GPT on 2 forked ranks (gloo) ----
 
 def _tiny():
     torch.manual_seed(0)
@@ -285,49 +290,45 @@ def _tiny():
     return model
 
 
-def _worker(rank, world, init_file, strategy, errors):
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        model = _tiny()
-        seen_at_last_grad = []
-        # registered before the strategy's own hooks, so it runs first on the parameter whose gradient comes last
-        # (the embedding: first in forward, last in backward)
-        model.wte.weight.register_post_accumulate_grad_hook(
-            lambda p: seen_at_last_grad.append(list(owner.hooks.ready_log)))
-        torch.manual_seed(rank)
-        idx = torch.randint(0, 256, (4, 16))
-        if strategy == "ddp":
-            owner = wrapped = DDP(model, bucket_mb=0.02)
-        else:
-            owner = ZeroOptimizer(model, lambda m: torch.optim.AdamW(m.parameters()), stage=2,
-                                           bucket_mb=0.02)
-            wrapped = model
-        reference = _tiny()  # the plain model, for the expected averaged gradient
-        reference(idx, idx).backward()
-        expected = {n: p.grad.clone() for n, p in reference.named_parameters()}
-        for g in expected.values():
-            dist.all_reduce(g)
-            g.div_(world)
-        wrapped(idx, idx).backward()
-        assert len(owner.buckets) >= 3, len(owner.buckets)
-        # overlap: when the last gradient arrives, earlier buckets' collectives are already in flight
-        assert len(seen_at_last_grad) == 1 and len(seen_at_last_grad[0]) >= 1, seen_at_last_grad
-        assert owner.hooks.ready_log == list(range(len(owner.buckets)))  # every bucket, in backward order
-        if strategy == "ddp":  # the averaged gradients are in .grad itself
-            for n, p in model.named_parameters():
-                torch.testing.assert_close(p.grad, expected[n], rtol=1e-5, atol=1e-7, msg=n)
-        else:  # ZeRO-2: no full gradient survives backward; this rank's shard holds its slice of the average
-            assert all(p.grad is None for p in model.parameters())
-            assert all(b.state.pending is None for b in owner.buckets)  # transient buffers released
-            for b in owner.buckets:
-                full = torch.cat([expected[_name(model, p)].view(-1) for p in b.params])
-                full = torch.nn.functional.pad(full, (0, b.numel - full.numel()))
-                torch.testing.assert_close(b.state.grad_shard, full[b.state.lo: b.state.hi],
-                                           rtol=1e-5, atol=1e-7)
-        dist.destroy_process_group()
-    except Exception as e:  # surface the failure in the parent's assertion
-        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
-        raise
+def _worker(strategy):
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _tiny()
+    seen_at_last_grad = []
+    # registered before the strategy's own hooks, so it runs first on the parameter whose gradient comes last
+    # (the embedding: first in forward, last in backward)
+    model.wte.weight.register_post_accumulate_grad_hook(
+        lambda p: seen_at_last_grad.append(list(owner.hooks.ready_log)))
+    torch.manual_seed(rank)
+    idx = torch.randint(0, 256, (4, 16))
+    if strategy == "ddp":
+        owner = wrapped = DDP(model, bucket_mb=0.02)
+    else:
+        owner = ZeroOptimizer(model, lambda m: torch.optim.AdamW(m.parameters()), stage=2, bucket_mb=0.02)
+        wrapped = model
+    reference = _tiny()  # the plain model, for the expected averaged gradient
+    reference(idx, idx).backward()
+    expected = {n: p.grad.clone() for n, p in reference.named_parameters()}
+    for g in expected.values():
+        dist.all_reduce(g)
+        g.div_(world)
+    wrapped(idx, idx).backward()
+    assert len(owner.buckets) >= 3, len(owner.buckets)
+    # overlap: when the last gradient arrives, earlier buckets' collectives are already in flight
+    assert len(seen_at_last_grad) == 1 and len(seen_at_last_grad[0]) >= 1, seen_at_last_grad
+    assert owner.hooks.ready_log == list(range(len(owner.buckets)))  # every bucket, in backward order
+    if strategy == "ddp":  # the averaged gradients are in .grad itself
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, expected[n], rtol=1e-5, atol=1e-7, msg=n)
+    else:  # ZeRO-2: no full gradient survives backward; this rank's shard holds its slice of the average
+        assert all(p.grad is None for p in model.parameters())
+        assert all(b.state.pending is None for b in owner.buckets)  # transient buffers released
+        for b in owner.buckets:
+            full = torch.cat([expected[_name(model, p)].view(-1) for p in b.params])
+            full = torch.nn.functional.pad(full, (0, b.numel - full.numel()))
+            torch.testing.assert_close(b.state.grad_shard, full[b.state.lo: b.state.hi],
+                                       rtol=1e-5, atol=1e-7)
+    dist.destroy_process_group()
 
 
 def _name(model, param):
@@ -336,14 +337,10 @@ def _name(model, param):
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero2"])
 def test_overlap_and_gradients_in_place(strategy):
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_worker, args=(2, os.path.join(d, "init"), strategy, errors), nprocs=2,
-                           start_method="spawn")
-    assert errors.empty(), errors.get()
+    forked(2, lambda: _worker(strategy))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("overrides,world,message", [
     (["parallel=ddp"], 1, "needs several processes, but this is one; launch it with `torchrun --nproc_per_node=N"),
     (["parallel=zero1"], 3, "not divisible by micro_batch_size (4) x data-parallel ranks (3)"),
@@ -387,6 +384,7 @@ def test_bad_parallel_settings(tmp_path, overrides, world, message):
     assert_refused(tmp_path, overrides, world, message)
 
 
+@pytest.mark.quick
 def test_bf16_weights_need_a_device_that_computes_in_bf16(tmp_path, monkeypatch):
     monkeypatch.setattr(config, "bf16_supported", lambda device: False)
     with pytest.raises(train.ConfigError) as err:
@@ -396,31 +394,23 @@ def test_bf16_weights_need_a_device_that_computes_in_bf16(tmp_path, monkeypatch)
                               "parallel.param_dtype=float32")
 
 
-def _count_worker(rank, world, init_file, errors):
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        from parallel.comm import CommCounter
-        t = torch.ones(1000)  # 4000 bytes
-        with CommCounter() as c:
-            dist.all_reduce(t)
-            dist.reduce_scatter_single(torch.empty(500), torch.ones(1000))
-            dist.all_gather_single(torch.empty(1000), torch.ones(500))
-            dist.broadcast(t, src=0)
-            dist.barrier()
-        assert dict(c.by_kind) == {"all_reduce": 8000, "reduce_scatter": 4000, "all_gather": 4000,
-                                   "broadcast": 4000}, c.by_kind
-        assert c.bytes == 20000 and sum(c.calls.values()) == 4
-        assert torch.equal(t, torch.full((1000,), 2.0))  # the counted collectives really ran
-        dist.destroy_process_group()
-    except Exception as e:
-        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
-        raise
+def _count_worker():
+    dist.init_process_group("gloo")
+    from parallel.comm import CommCounter
+    t = torch.ones(1000)  # 4000 bytes
+    with CommCounter() as c:
+        dist.all_reduce(t)
+        dist.reduce_scatter_single(torch.empty(500), torch.ones(1000))
+        dist.all_gather_single(torch.empty(1000), torch.ones(500))
+        dist.broadcast(t, src=0)
+        dist.barrier()
+    assert dict(c.by_kind) == {"all_reduce": 8000, "reduce_scatter": 4000, "all_gather": 4000,
+                               "broadcast": 4000}, c.by_kind
+    assert c.bytes == 20000 and sum(c.calls.values()) == 4
+    assert torch.equal(t, torch.full((1000,), 2.0))  # the counted collectives really ran
+    dist.destroy_process_group()
 
 
 def test_comm_counter_volume_rules():
     """all-reduce counts 2x its tensor, reduce-scatter its input, all-gather its output, broadcast its tensor."""
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_count_worker, args=(2, os.path.join(d, "init"), errors), nprocs=2, start_method="spawn")
-    assert errors.empty(), errors.get()
+    forked(2, _count_worker)

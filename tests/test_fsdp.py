@@ -8,8 +8,8 @@ import torch
 import parallel
 import config
 import train
-from conftest import (RUN, STEPS, assert_refused, assert_same_steps, assert_same_weights, losses, make_cfg,
-                      read_metrics, small_run, torchrun, torchrun_jobs)
+from conftest import (RUN, STEPS, assert_refused, assert_same_steps, assert_same_weights, forked, launch_jobs,
+                      losses, make_cfg, read_metrics, small_run)
 from model import GPT, GPTConfig
 from parallel.layout import Layout
 from tools import plan
@@ -53,35 +53,54 @@ def checkpoint_of(run_dir):
     return f"train.resume={run_dir}/checkpoints/step_{STEPS:07d}"
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, single):
-    """Every run this file checks, in two torchrun launches (world 2, then world 4: its HSDP jobs load the
-    checkpoints of single and of a world-2 job, and later jobs of the launch load those of its first)."""
-    root = tmp_path_factory.mktemp("fsdp")
-    jobs = {2: {}, 4: {}}
-    for world in (2, 4):
-        for impl in ("scratch", "torch"):
-            jobs[world]["equal", impl, world] = small_run(*RUN, "parallel=fsdp", f"parallel.impl={impl}")
+def equal(world):
+    return {("equal", impl, world): small_run(*RUN, "parallel=fsdp", f"parallel.impl={impl}")
+            for impl in ("scratch", "torch")}
+
+
+@launch_jobs(2)
+def jobs2(root, request):
+    """Every world-2 run this file checks, in the session's world-2 launch."""
+    these = equal(2)
     for i, (impl, overrides, _) in enumerate(COMM_CASES):
-        jobs[2]["comm", i] = small_run(*RUN, *ONE_MICRO, "parallel=fsdp", f"parallel.impl={impl}", *overrides)
-    jobs[2]["bf16"] = small_run(*RUN, *ONE_MICRO, "parallel=fsdp", "parallel.param_dtype=bfloat16")
+        these["comm", i] = small_run(*RUN, *ONE_MICRO, "parallel=fsdp", f"parallel.impl={impl}", *overrides)
+    these["bf16"] = small_run(*RUN, *ONE_MICRO, "parallel=fsdp", "parallel.param_dtype=bfloat16")
     for impl in ("scratch", "torch"):
-        jobs[2]["offload", impl] = small_run(*RUN, "parallel=fsdp", f"parallel.impl={impl}", "parallel.cpu_offload=true")
-    jobs[2]["wrap"] = small_run(*RUN, "parallel=fsdp", "parallel.blocks_per_unit=2")
-    dirs = {key: str(root / "-".join(map(str, key))) for these in jobs.values() for key in these}
-    for impl, extra in HSDP_IMPL.items():
-        dirs["hsdp", impl] = str(root / f"hsdp-{impl}")
-    into = {"single": single, "fsdp torch 2": dirs["equal", "torch", 2]}
-    into.update({f"hsdp {impl}": dirs["hsdp", impl] for impl in HSDP_IMPL})
-    jobs[4].update({("hsdp", impl): small_run(*RUN, *HSDP, *extra) for impl, extra in HSDP_IMPL.items()})
+        these["offload", impl] = small_run(*RUN, "parallel=fsdp", f"parallel.impl={impl}", "parallel.cpu_offload=true")
+    these["wrap"] = small_run(*RUN, "parallel=fsdp", "parallel.blocks_per_unit=2")
+    return {key: (run_dir(root, key), o) for key, o in these.items()}
+
+
+@launch_jobs(4)
+def jobs4(root, request):
+    """Every world-4 run, in the session's world-4 launch: its HSDP jobs load the checkpoints of single and of a
+    world-2 job, and later jobs of the launch load those of its first."""
+    these = equal(4)
+    these.update({("hsdp", impl): small_run(*RUN, *HSDP, *extra) for impl, extra in HSDP_IMPL.items()})
     # HSDP's checkpoints into ddp and FSDP2 at world 4 (and single, in test_hsdp_checkpoints); theirs into HSDP
+    into = savers(request.getfixturevalue("single"), {**request.getfixturevalue("launch2")[__name__][0],
+                                                      **{key: run_dir(root, key) for key in these}})
     for saver, loader in CHECKPOINTS:
         if loader != "single":
-            dirs["resume", saver, loader] = str(root / f"resume-{saver}-{loader}".replace(" ", "_"))
-            jobs[4]["resume", saver, loader] = small_run(*RUN, *FURTHER, *LOADERS[loader], checkpoint_of(into[saver]))
-    for world, these in jobs.items():
-        torchrun_jobs(world, [(dirs[k], o) for k, o in these.items()])
-    return {**dirs, "savers": into}
+            these["resume", saver, loader] = small_run(*RUN, *FURTHER, *LOADERS[loader], checkpoint_of(into[saver]))
+    return {key: (run_dir(root, key), o) for key, o in these.items()}
+
+
+def run_dir(root, key):
+    return str(root / (key if isinstance(key, str) else "-".join(map(str, key)).replace(" ", "_")))
+
+
+def savers(single, dirs):
+    """Who wrote the checkpoints the resumed runs load: single, FSDP2 at world 2, HSDP's two (world 4)."""
+    return {"single": single, "fsdp torch 2": dirs["equal", "torch", 2],
+            **{f"hsdp {impl}": dirs["hsdp", impl] for impl in HSDP_IMPL}}
+
+
+@pytest.fixture(scope="module")
+def runs(single, launch2, launch4):
+    """Every run this file checks: each world size's in the session's launch of that many ranks."""
+    dirs = {**launch2[__name__][0], **launch4[__name__][0]}
+    return {**dirs, "savers": savers(single, dirs)}
 
 
 LOADERS = {"single": (), "ddp": ("parallel=ddp",), "fsdp torch": ("parallel=fsdp", "parallel.impl=torch"),
@@ -175,9 +194,21 @@ def test_activation_checkpointing_saves_memory_not_numbers():
         torch.testing.assert_close(grads_every[n], grads_none[n], rtol=1e-6, atol=1e-7)
 
 
+def peak_rank(cfg, run_dir):
+    """One forked rank of the peak-memory runs. A forked process's peak RSS starts from what it holds at the fork
+    (not from its parent's peak), and the run measures its peak above what it held before the model. A fixed mmap
+    threshold (what MALLOC_MMAP_THRESHOLD_=65536 sets at a process's start): glibc then returns every freed large
+    buffer to the OS at once, so the peak RSS follows the tensors alive (by default freed units would linger in the
+    heap, counted as resident)."""
+    import ctypes
+    assert ctypes.CDLL("libc.so.6").mallopt(-3, 65536) == 1  # M_MMAP_THRESHOLD
+    train.run(cfg, run_dir)
+
+
 def test_peak_memory_a_third_of_ddp(tmp_path):
     """Peak process memory above what it held before the model (rank 0's peak RSS), FSDP vs DDP. At N=4, FSDP's
-    model state is 16P/4 against DDP's 16P: with activations and gathered units, about a third."""
+    model state is 16P/4 against DDP's 16P: with activations and gathered units, about a third. The ranks are forked
+    from this process (torchrun's fresh interpreters cost CI 20 s more here)."""
     world, peaks = 4, {}
     # big enough that model state, not the interpreter's own heap, dominates the peak (76M parameters), and deep
     # enough that the few units in flight are a small part of the model. (A second size, 118M, gave the same ratio,
@@ -187,10 +218,9 @@ def test_peak_memory_a_third_of_ddp(tmp_path):
                                                          "checkpoint.keep=0", "train.eval_steps=1"]
         for strategy in ("ddp", "fsdp"):
             run_dir = str(tmp_path / f"{strategy}-{size['model.n_embd']}")
-            # a fixed mmap threshold: glibc then returns every freed large buffer to the OS at once, so the peak
-            # RSS follows the tensors alive (by default freed units would linger in the heap, counted as resident)
-            torchrun(world, run_dir, *small_run("train.global_batch_size=4", "train.micro_batch_size=1", *shape,
-                                                f"parallel={strategy}"), env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+            cfg = make_cfg(*small_run("train.global_batch_size=4", "train.micro_batch_size=1", *shape,
+                                      f"parallel={strategy}"))
+            forked(world, lambda: peak_rank(cfg, run_dir))
             start, records = steps(run_dir)
             peaks[strategy, size["model.n_embd"]] = (records[-1]["peak_mem_mb"] - start["mem_mb_before_model"],
                                                     start["n_params"])
@@ -201,6 +231,7 @@ def test_peak_memory_a_third_of_ddp(tmp_path):
         assert fsdp < 0.36 * ddp
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("overrides,message", [
     (["parallel.blocks_per_unit=3"], "can't split the model's 2 blocks into equal units"),
     (["parallel.prefetch=4"], "there are 4 units, so at most 3 can be gathered ahead"),
@@ -213,6 +244,7 @@ def test_bad_fsdp_settings(tmp_path, overrides, message):
     assert message in str(err.value)
 
 
+@pytest.mark.quick
 def test_offload_with_a_dtype_the_cpu_cant(tmp_path, monkeypatch):
     monkeypatch.setattr(config, "bf16_supported", lambda device: False)
     with pytest.raises(train.ConfigError, match="this CPU can't do"):
@@ -272,6 +304,7 @@ def test_hsdp_checkpoints(runs, further, tmp_path, saver, loader):
     assert_same_weights(run_dir, further)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("overrides,message", [
     (["parallel=fsdp", "parallel.dp_replicate=2", "parallel.dp_shard=4"],
      "parallel.dp_replicate=2 x parallel.dp_shard=4 = 8, but the data-parallel size is dp=4"),

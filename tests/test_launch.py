@@ -166,6 +166,7 @@ def test_report(sweep):
         assert len(np.unique(pixels.round(2), axis=0)) > 20, f"{name} has almost no colors"
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("overrides,message", [
     (["launcher.nproc_per_node=0"], "must be a whole number >= 1"),
     ([f"launcher.nproc_per_node={launch.max_local_ranks('cpu')[0] + 1}"], "more than this machine can run"),

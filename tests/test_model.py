@@ -4,6 +4,8 @@ import torch
 from conftest import make_cfg
 from model import GPT, GPTConfig
 
+pytestmark = pytest.mark.quick  # the quick tier: all of this file is fast, in this process
+
 
 def tiny(**kw):
     return GPTConfig(**{"vocab_size": 300, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32, **kw})

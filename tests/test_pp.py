@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from conftest import RUN, assert_refused, job_output, make_cfg, read_metrics, small_run, torchrun_jobs
+from conftest import RUN, assert_refused, job_output, launch_jobs, make_cfg, read_metrics, small_run
 import train
 from parallel import pp
 
@@ -54,14 +54,24 @@ def sample(out):
     return out.split("--- sample ---\n")[1].split("\n--------------")[0]
 
 
+REFERENCE = {}
+
+
+def reference(tmp_path_factory):
+    """The reference run (2 STEPS, a checkpoint after STEPS), and the sample it printed at the end: once a session,
+    for the fixture and for the world-4 launch's resumed job."""
+    if not REFERENCE:
+        run_dir = str(tmp_path_factory.mktemp("single_pp") / "run")
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            train.run(make_cfg(*small_run(*PP_RUN, f"train.max_steps={2 * STEPS}", "train.sample_tokens=8")), run_dir)
+        REFERENCE["run"] = run_dir, sample(out.getvalue())
+    return REFERENCE["run"]
+
+
 @pytest.fixture(scope="session")
 def single_pp(tmp_path_factory):
-    """The reference run (2 STEPS, a checkpoint after STEPS), and the sample it printed at the end."""
-    run_dir = str(tmp_path_factory.mktemp("single_pp") / "run")
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        train.run(make_cfg(*small_run(*PP_RUN, f"train.max_steps={2 * STEPS}", "train.sample_tokens=8")), run_dir)
-    return run_dir, sample(out.getvalue())
+    return reference(tmp_path_factory)
 
 
 def steps(run_dir, first, last):
@@ -92,27 +102,37 @@ def ckpt(run_dir, step):
     return f"{run_dir}/checkpoints/step_{step:07d}"
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, single_pp):
-    """Every case on 4 ranks, in one torchrun launch, and a pp=2 x dp=2 run resumed from single's checkpoint;
-    returns ({case id: run dir}, the launch)."""
-    root = tmp_path_factory.mktemp("pp")
-    dirs = {case: str(root / case) for case in IDS + CP_IDS + ["resumed"]}
-    jobs = [(dirs[case], case_run(*c)) for case, c in zip(IDS, CASES)]
-    jobs += [(dirs[case], small_run(*PP_RUN, "parallel=pp", f"parallel.data={d}", "parallel.pp=2", "parallel.cp=2",
-                                    f"parallel.pp_schedule={s}", f"train.max_steps={STEPS}"))
-             for case, (s, d) in zip(CP_IDS, CP_CASES)]
-    jobs.append((dirs["resumed"], small_run(*PP_RUN, "parallel=pp", "parallel.pp=2", f"train.max_steps={2 * STEPS}",
-                                            "train.sample_tokens=8", f"train.resume={ckpt(single_pp[0], STEPS)}")))
-    return dirs, torchrun_jobs(4, jobs)
+@launch_jobs(4)
+def jobs4(root, request):
+    """Every case on 4 ranks, and a pp=2 x dp=2 run resumed from single's checkpoint, in the session's world-4
+    launch."""
+    these = {case: (str(root / case), case_run(*c)) for case, c in zip(IDS, CASES)}
+    these.update({case: (str(root / case), small_run(*PP_RUN, "parallel=pp", f"parallel.data={d}", "parallel.pp=2",
+                                                     "parallel.cp=2", f"parallel.pp_schedule={s}",
+                                                     f"train.max_steps={STEPS}"))
+                  for case, (s, d) in zip(CP_IDS, CP_CASES)})
+    single = reference(request.getfixturevalue("tmp_path_factory"))[0]
+    these["resumed"] = (str(root / "resumed"), small_run(*PP_RUN, "parallel=pp", "parallel.pp=2",
+                                                         f"train.max_steps={2 * STEPS}", "train.sample_tokens=8",
+                                                         f"train.resume={ckpt(single, STEPS)}"))
+    return these
+
+
+@launch_jobs(8)
+def jobs8(root, request):
+    """CASES8, in the session's world-8 launch."""
+    return {case: (str(root / case), case_run(*c)) for case, c in zip(IDS8, CASES8)}
 
 
 @pytest.fixture(scope="module")
-def runs8(tmp_path_factory):
-    """CASES8 on 8 ranks, in one torchrun launch."""
-    root = tmp_path_factory.mktemp("pp8")
-    dirs = {case: str(root / case) for case in IDS8}
-    return dirs, torchrun_jobs(8, [(dirs[case], case_run(*c)) for case, c in zip(IDS8, CASES8)])
+def runs(launch4):
+    """({case id: run dir}, the launch)."""
+    return launch4[__name__]
+
+
+@pytest.fixture(scope="module")
+def runs8(launch8):
+    return launch8[__name__]
 
 
 @pytest.mark.parametrize("schedule,pp_,data,impl,tp,sp", CASES, ids=IDS)
@@ -187,6 +207,7 @@ def test_pipeline_with_context_parallel(runs, single_pp, schedule, data):
 
 
 # --- the schedules' shapes, without processes: order, activations held, bubble (forward 1, backward 2)
+@pytest.mark.quick
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8), (4, 12)])
 def test_schedule_shapes(p, m):
     gp, ob, zb = (pp.schedule(s, p, m) for s in ("gpipe", "1f1b", "zero_bubble"))
@@ -210,6 +231,7 @@ def test_schedule_shapes(p, m):
                    for r in il)
 
 
+@pytest.mark.quick
 def test_schedule_orders():
     """The action lists themselves, for one small pipeline (p=2, m=3)."""
     names = {s: [" ".join(f"{k}{i}" for k, _, i in r) for r in pp.schedule(s, 2, 3)] for s in ("gpipe", "1f1b",
@@ -254,6 +276,7 @@ def test_executor_runs_the_list():
     forked(2, _executor_ranks)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("overrides,world,message", [
     (("parallel=pp", "parallel.pp=3"), 4, "parallel.pp=3 x parallel.tp=1 = 3 must divide the number of ranks (4)"),
     (("parallel=pp", "model.n_layer=2"), 4, "4 stages, but the model has 2 blocks"),

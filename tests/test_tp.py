@@ -1,18 +1,15 @@
 """Tensor parallelism and 2D FSDP x TP: equal to single-process training, Megatron's communication counted
 collective by collective, logits never materialized whole, bad settings refused up front."""
 import gc
-import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 import train
-from conftest import RUN, assert_refused, assert_same_steps, assert_same_weights, job_output, make_cfg, read_metrics, \
-    small_run, torchrun_jobs
+from conftest import RUN, assert_refused, assert_same_steps, assert_same_weights, forked, job_output, launch_jobs, \
+    make_cfg, read_metrics, small_run
 from parallel import tp as tensor_parallel
 from parallel.strategy import materialize
 
@@ -44,18 +41,22 @@ STATE = {"tp": lambda dp: 16, "fsdp_tp": lambda dp: 16 / dp, "zero1": lambda dp:
          "zero2": lambda dp: 4 + 12 / dp}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every case on 4 ranks, in one torchrun launch; returns ({case id: run dir}, the launch)."""
-    root = tmp_path_factory.mktemp("tp")
-    dirs, jobs = {}, []
+@launch_jobs(4)
+def jobs(root, request):
+    """Every case, in the session's world-4 launch."""
+    these = {}
     for case, (strategy, impl, tp, sp) in zip(IDS, CASES):
-        dirs[case] = str(root / case)
         sample = impl == "torch" or strategy == "tp"  # sampling needs the full logits gathered back
-        jobs.append((dirs[case], small_run(*TP_RUN, f"parallel={strategy}", f"parallel.impl={impl}",
-                                           f"parallel.tp={tp}", f"parallel.sequence_parallel={str(sp).lower()}",
-                                           *(["train.sample_tokens=8"] if sample else []))))
-    return dirs, torchrun_jobs(4, jobs)
+        these[case] = (str(root / case), small_run(*TP_RUN, f"parallel={strategy}", f"parallel.impl={impl}",
+                                                   f"parallel.tp={tp}", f"parallel.sequence_parallel={str(sp).lower()}",
+                                                   *(["train.sample_tokens=8"] if sample else [])))
+    return these
+
+
+@pytest.fixture(scope="module")
+def runs(launch4):
+    """({case id: run dir}, the launch that ran them)."""
+    return launch4[__name__]
 
 
 @pytest.mark.parametrize("strategy,impl,tp,sp", CASES, ids=IDS)
@@ -89,7 +90,7 @@ def test_equal_to_single(runs, single_tp, strategy, impl, tp, sp):
         assert "--- sample ---" in job_output(launch, run_dir)
 
 
-# --- in-process workers (spawned ranks on gloo): one forward and backward, collective by collective
+# --- in-process workers (forked ranks on gloo): one forward and backward, collective by collective
 B, T, L, D, H, V = 4, 32, 2, 32, 4, 1024  # a vocab large enough that the logits are the largest tensor
 
 
@@ -121,98 +122,88 @@ class LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-def _tp_worker(rank, world, init_file, errors):
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from parallel.comm import CommCounter
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-        torch.manual_seed(1)
-        idx, targets = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
-        torch.manual_seed(0)
-        reference = _tiny_gpt()
-        reference.to_empty(device="cpu")
-        reference.init_weights()
-        with LargestTensor() as single_size:
-            reference(idx, targets).backward()
-        act = B * T * D * 4  # bytes of one (batch, seq, d) float32 activation
-        for impl in ("scratch", "torch"):
-            for sp in (False, True):
-                model, par_tp = _sharded(impl, sp, mesh)
-                with par_tp.loss_context(), CommCounter() as fwd:
-                    loss = model(idx, targets)
-                with par_tp.loss_context(), CommCounter() as bwd:
-                    loss.backward()
-                torch.testing.assert_close(loss, reference(idx, targets), rtol=1e-5, atol=1e-6)
-                # Megatron: per layer 2 all-reduces of an activation in forward (after proj and down) and 2 in
-                # backward (the inputs of attention and MLP); the embedding adds one in forward, the head's input
-                # one in backward; the loss reduces per-token numbers only (max; sum of exps and target logit).
-                # Sequence parallel: each all-reduce -> all-gather + reduce-scatter, the same bytes in all.
-                if not sp:
-                    want_fwd = {"all_reduce": 2 * L + 1 + 2}
-                    want_bwd = {"all_reduce": 2 * L + 1}
-                else:
-                    want_fwd = {"all_gather": 2 * L + 1, "reduce_scatter": 2 * L + 1, "all_reduce": 2}
-                    want_bwd = {"all_gather": 2 * L + 1, "reduce_scatter": 2 * L + 1}
-                layer_bytes = (2 * L + 1) * 2 * act  # each all-reduce of an activation counts 2x its bytes
-                loss_bytes = 2 * (B * T * 4) + 2 * (2 * B * T * 4)
-                if impl == "torch":  # torch's loss_parallel reduces the sum of exps and the target logit apart
-                    want_fwd["all_reduce"] += 1
-                assert dict(fwd.calls) == want_fwd and dict(bwd.calls) == want_bwd, (sp, fwd.calls, bwd.calls)
-                assert fwd.bytes == layer_bytes + loss_bytes and bwd.bytes == layer_bytes, (fwd.log, bwd.log)
-                if rank == 0:
-                    print(f"\n{impl} sp={sp} tp={world}: forward {dict(fwd.calls)} {fwd.bytes:,} B, backward "
-                          f"{dict(bwd.calls)} {bwd.bytes:,} B")
-                # gradients: this rank's slice of the reference's
-                for name, p in model.named_parameters():
-                    g = p.grad.full_tensor() if isinstance(p.grad, torch.distributed.tensor.DTensor) else p.grad
-                    d = tensor_parallel.shard_dim(name)
-                    ref = reference.get_parameter(name).grad
-                    if impl == "scratch" and d is not None:
-                        ref = ref.chunk(world, dim=d)[rank]
-                    if impl == "scratch" and sp and d is None:  # norm gains: partial until summed over tp
-                        tensor_parallel.sync_replicated_grads([g], mesh.get_group())
-                    torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
-                reference.zero_grad()
-                reference(idx, targets).backward()  # the reference's gradients again, for the next model
-                # sampling: called without targets, the model gives the full-vocab logits, at any length (7: not
-                # divisible by tp, which sequence parallel pads)
-                with torch.no_grad():
-                    for n in (T, 7):
-                        torch.testing.assert_close(model(idx[:, :n]), reference(idx[:, :n]), rtol=1e-5, atol=1e-6)
-        # the vocab-parallel loss never builds the full (B*T, V) logits: the largest tensor of a tp rank's forward
-        # and backward is its (B*T, V/tp) slice
-        model, _ = _sharded("scratch", False, mesh)
-        with LargestTensor() as tp_size:
-            model(idx, targets).backward()
-        if rank == 0:
-            print(f"largest tensor: single {single_size.numel:,} elements, tp={world} {tp_size.numel:,}")
-        assert single_size.numel == B * T * V and tp_size.numel == B * T * V // world, (single_size.numel,
-                                                                                         tp_size.numel)
-        # free what holds the mesh's groups while every peer is still connected (gloo can abort in its destructor
-        # when a peer has gone: train.py does the same)
-        del model, reference
-        gc.collect()
-        dist.barrier()
-        dist.destroy_process_group()
-    except Exception as e:  # surface the failure in the parent's assertion
-        import traceback
-        errors.put(f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}")
-        raise
+def _tp_worker():
+    from torch.distributed.device_mesh import init_device_mesh
+    from parallel.comm import CommCounter
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    torch.manual_seed(1)
+    idx, targets = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
+    torch.manual_seed(0)
+    reference = _tiny_gpt()
+    reference.to_empty(device="cpu")
+    reference.init_weights()
+    with LargestTensor() as single_size:
+        reference(idx, targets).backward()
+    act = B * T * D * 4  # bytes of one (batch, seq, d) float32 activation
+    for impl in ("scratch", "torch"):
+        for sp in (False, True):
+            model, par_tp = _sharded(impl, sp, mesh)
+            with par_tp.loss_context(), CommCounter() as fwd:
+                loss = model(idx, targets)
+            with par_tp.loss_context(), CommCounter() as bwd:
+                loss.backward()
+            torch.testing.assert_close(loss, reference(idx, targets), rtol=1e-5, atol=1e-6)
+            # Megatron: per layer 2 all-reduces of an activation in forward (after proj and down) and 2 in
+            # backward (the inputs of attention and MLP); the embedding adds one in forward, the head's input
+            # one in backward; the loss reduces per-token numbers only (max; sum of exps and target logit).
+            # Sequence parallel: each all-reduce -> all-gather + reduce-scatter, the same bytes in all.
+            if not sp:
+                want_fwd = {"all_reduce": 2 * L + 1 + 2}
+                want_bwd = {"all_reduce": 2 * L + 1}
+            else:
+                want_fwd = {"all_gather": 2 * L + 1, "reduce_scatter": 2 * L + 1, "all_reduce": 2}
+                want_bwd = {"all_gather": 2 * L + 1, "reduce_scatter": 2 * L + 1}
+            layer_bytes = (2 * L + 1) * 2 * act  # each all-reduce of an activation counts 2x its bytes
+            loss_bytes = 2 * (B * T * 4) + 2 * (2 * B * T * 4)
+            if impl == "torch":  # torch's loss_parallel reduces the sum of exps and the target logit apart
+                want_fwd["all_reduce"] += 1
+            assert dict(fwd.calls) == want_fwd and dict(bwd.calls) == want_bwd, (sp, fwd.calls, bwd.calls)
+            assert fwd.bytes == layer_bytes + loss_bytes and bwd.bytes == layer_bytes, (fwd.log, bwd.log)
+            if rank == 0:
+                print(f"\n{impl} sp={sp} tp={world}: forward {dict(fwd.calls)} {fwd.bytes:,} B, backward "
+                      f"{dict(bwd.calls)} {bwd.bytes:,} B")
+            # gradients: this rank's slice of the reference's
+            for name, p in model.named_parameters():
+                g = p.grad.full_tensor() if isinstance(p.grad, torch.distributed.tensor.DTensor) else p.grad
+                d = tensor_parallel.shard_dim(name)
+                ref = reference.get_parameter(name).grad
+                if impl == "scratch" and d is not None:
+                    ref = ref.chunk(world, dim=d)[rank]
+                if impl == "scratch" and sp and d is None:  # norm gains: partial until summed over tp
+                    tensor_parallel.sync_replicated_grads([g], mesh.get_group())
+                torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+            reference.zero_grad()
+            reference(idx, targets).backward()  # the reference's gradients again, for the next model
+            # sampling: called without targets, the model gives the full-vocab logits, at any length (7: not
+            # divisible by tp, which sequence parallel pads)
+            with torch.no_grad():
+                for n in (T, 7):
+                    torch.testing.assert_close(model(idx[:, :n]), reference(idx[:, :n]), rtol=1e-5, atol=1e-6)
+    # the vocab-parallel loss never builds the full (B*T, V) logits: the largest tensor of a tp rank's forward
+    # and backward is its (B*T, V/tp) slice
+    model, _ = _sharded("scratch", False, mesh)
+    with LargestTensor() as tp_size:
+        model(idx, targets).backward()
+    if rank == 0:
+        print(f"largest tensor: single {single_size.numel:,} elements, tp={world} {tp_size.numel:,}")
+    assert single_size.numel == B * T * V and tp_size.numel == B * T * V // world, (single_size.numel,
+                                                                                     tp_size.numel)
+    # free what holds the mesh's groups while every peer is still connected (gloo can abort in its destructor
+    # when a peer has gone: train.py does the same)
+    del model, reference
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_megatron_collectives_gradients_and_logits(world):
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as d:
-        try:
-            mp.start_processes(_tp_worker, args=(world, os.path.join(d, "init"), errors), nprocs=world,
-                               start_method="spawn")
-        finally:
-            assert errors.empty(), errors.get()
+    forked(world, _tp_worker)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("overrides,world,message", [
     (["parallel=tp", "parallel.tp=4"], 4, "parallel.tp=4 must divide the model's 2 attention heads (model.n_head)"),
     (["parallel=tp", "model.n_head=4", "parallel.tp=3"], 4, "parallel.tp=3 must divide the number of ranks (4)"),

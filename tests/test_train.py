@@ -10,6 +10,7 @@ from conftest import ROOT, make_cfg, read_metrics, read_wandb_history, small_run
 from data import prepare
 
 
+@pytest.mark.quick
 def test_every_group_option_composes():
     for group in ("model", "data", "parallel", "optim", "logger"):
         options = sorted(f[:-5] for f in os.listdir(os.path.join(ROOT, "conf", group)) if f.endswith(".yaml"))
@@ -63,6 +64,7 @@ def bad(tmp_path, *overrides):
     return str(err.value)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("overrides,message", [
     (["train.micro_batch_size=3"], "not divisible"),
     (["train.global_batch_size=6"], "not divisible"),
@@ -96,21 +98,25 @@ def test_bad_settings(tmp_path, overrides, message):
     assert message in bad(tmp_path, *overrides)
 
 
+@pytest.mark.quick
 def test_empty_corpus(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     assert "empty corpus" in bad(tmp_path, f"data.paths=[{tmp_path}/empty.txt]")
 
 
+@pytest.mark.quick
 def test_compile_without_a_compiler(tmp_path, monkeypatch):
     monkeypatch.setattr(config.shutil, "which", lambda name: None)  # no g++, c++, clang++ or $CXX on PATH
     assert "no C++ compiler (g++, clang++ or $CXX) is on PATH" in bad(tmp_path, "train.compile=true")
 
 
+@pytest.mark.quick
 def test_bfloat16_where_the_device_cant(tmp_path, monkeypatch):
     monkeypatch.setattr(config, "bf16_supported", lambda device: False)
     assert "can't compute in bfloat16" in bad(tmp_path, "train.dtype=bfloat16")
 
 
+@pytest.mark.quick
 def test_existing_run_dir_is_never_overwritten(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
