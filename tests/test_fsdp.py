@@ -236,7 +236,7 @@ def test_peak_memory_a_third_of_ddp(tmp_path):
     (["parallel.blocks_per_unit=3"], "can't split the model's 2 blocks into equal units"),
     (["parallel.prefetch=4"], "there are 4 units, so at most 3 can be gathered ahead"),
     (["parallel.param_dtype=float16"], "parallel.param_dtype='float16': expected auto, float32 or bfloat16"),
-    (["train.activation_checkpointing=some"], "expected none, full or every_n"),
+    (["train.activation_checkpointing=some"], "expected none, full, every_n or selective"),
 ])
 def test_bad_fsdp_settings(tmp_path, overrides, message):
     with pytest.raises(train.ConfigError) as err:
