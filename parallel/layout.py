@@ -350,7 +350,9 @@ class Layout:
         return None
 
     def _pp_problem(self, p, model, micro_batches):
-        """A pipeline's rules; `micro_batches`: per step and dp rank."""
+        """A pipeline's rules; `micro_batches`: per step and dp rank. Stages may hold unequal numbers of blocks
+        (parallel/pp.py split_blocks: as even as they go), never none."""
+        from parallel.pp import split_blocks
         pp, s = self.pp, p.pp_schedule
         if pp == 1:
             return None
@@ -361,9 +363,6 @@ class Layout:
         if pp * v > model.n_layer:
             return (f"parallel.pp={pp}{f' x pp_virtual={v}' if v > 1 else ''} = {pp * v} stages, but the model has "
                     f"{model.n_layer} blocks (model.n_layer): every stage needs at least one")
-        if v > 1 and model.n_layer % (pp * v):
-            return (f"parallel.pp_schedule=interleaved_1f1b: pp={pp} x pp_virtual={v} = {pp * v} virtual stages must "
-                    f"divide the model's {model.n_layer} blocks")
         if v > 1 and micro_batches % pp:
             return (f"parallel.pp_schedule=interleaved_1f1b sends micro-batches through each chunk in groups of "
                     f"pp={pp}, but a step has {micro_batches} (train.global_batch_size / (micro_batch_size x dp)); "
@@ -389,10 +388,10 @@ class Layout:
             # the schedule runs every backward under no_sync and the strategy reduces once after it (parallel/pp.py)
             return ("parallel.accumulate=sharded with parallel.pp > 1: a pipeline's strategy reduces once after the "
                     "schedule, not every micro-step; use parallel.accumulate=local")
-        if v > 1 and self.data == "fsdp" and (model.n_layer // (pp * v)) % p.blocks_per_unit:
-            # FSDP gathers a unit around its own blocks' forward and backward; a unit across two chunks is needed
-            # while the other chunk runs
-            return (f"parallel.blocks_per_unit={p.blocks_per_unit} with interleaved_1f1b: each of the {pp * v} "
-                    f"virtual stages has {model.n_layer // (pp * v)} blocks, and an FSDP unit must not span two; use "
-                    f"a divisor")
+        sizes = [len(r) for r in split_blocks(model.n_layer, pp * v)]  # as even as they go; the first ones longer
+        if self.data == "fsdp" and any(n % p.blocks_per_unit for n in sizes):
+            # FSDP gathers a unit around its own blocks' forward and backward; a unit across two stages (or two
+            # chunks of one rank) would be needed while the other runs
+            return (f"parallel.blocks_per_unit={p.blocks_per_unit}: the {pp * v} pipeline stages hold "
+                    f"{', '.join(map(str, sizes))} blocks, and an FSDP unit must not span two; use a divisor of each")
         return None

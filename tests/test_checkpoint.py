@@ -190,7 +190,8 @@ def test_export_and_sample(ref, tmp_path):
     t = cfg.train
     val = prepare.load(prepare.prepare(cfg.data, cfg.data.cache_dir))[1]
     with torch.no_grad():
-        loss = sum(model(*shards.get_batch(val, "val", t.seed, i, t.micro_batch_size, t.seq_len)).item()
+        batch = t.eval_batch_size or t.global_batch_size  # the validation set: eval_steps batches of this many
+        loss = sum(model(*shards.get_batch(val, "val", t.seed, i, batch, t.seq_len)).item()
                    for i in range(t.eval_steps)) / t.eval_steps
     assert loss == pytest.approx(read_metrics(ref)[-1]["val_loss"], abs=1e-6)
     with pytest.raises(SystemExit, match="already exists"):  # never overwritten

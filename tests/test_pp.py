@@ -111,6 +111,9 @@ def jobs4(root, request):
                                                      "parallel.cp=2", f"parallel.pp_schedule={s}",
                                                      f"train.max_steps={STEPS}"))
                   for case, (s, d) in zip(CP_IDS, CP_CASES)})
+    these.update({f"uneven-{d}": (str(root / f"uneven-{d}"), small_run(
+        *PP_RUN, "parallel=pp", "parallel.pp=2", f"parallel.data={d}", "parallel.pp_schedule=interleaved_1f1b",
+        "parallel.pp_virtual=3", f"train.max_steps={STEPS}")) for d in UNEVEN})
     single = reference(request.getfixturevalue("tmp_path_factory"))[0]
     these["resumed"] = (str(root / "resumed"), small_run(*PP_RUN, "parallel=pp", "parallel.pp=2",
                                                          f"train.max_steps={2 * STEPS}", "train.sample_tokens=8",
@@ -160,11 +163,11 @@ def check_case(run_dir, launch, single_pp, world, schedule, pp_, data, impl, tp,
         assert_weights(ckpt(run_dir, step), ckpt(ref, step), atol=1e-5 if tp > 1 else 1e-6)
     start, last = read_metrics(run_dir)[0], read_metrics(run_dir)[-1]
     assert (start["pp"], start["dp"], start["tp"]) == (pp_, dp, tp)
-    if dp == 1:  # evaluated through the pipeline: single's loss on single's batches (dp ranks take more of them)
-        val, ref_val = ([r["val_loss"] for r in read_metrics(d) if "val_loss" in r] for d in (run_dir, ref))
-        assert val[0] == pytest.approx(ref_val[0], rel=1e-5)  # step 0
-        if last_step == 2 * STEPS:
-            assert val[-1] == pytest.approx(ref_val[-1], rel=1e-5)
+    # evaluated through the pipeline: single's loss on single's validation set (train.eval_batch_size, whatever dp)
+    val, ref_val = ([r["val_loss"] for r in read_metrics(d) if "val_loss" in r] for d in (run_dir, ref))
+    assert val[0] == pytest.approx(ref_val[0], rel=1e-5)  # step 0
+    if last_step == 2 * STEPS:
+        assert val[-1] == pytest.approx(ref_val[-1], rel=1e-5)
     out = job_output(launch, run_dir)
     assert f"pipeline: {schedule}, {16 // (2 * dp)} micro-batches per step" in out
     if tp > 1:  # drawn through the pipeline, the last stage's tp ranks gathering the vocab slices: single's sample
@@ -181,6 +184,24 @@ def check_case(run_dir, launch, single_pp, world, schedule, pp_, data, impl, tp,
     # own copy (its 1/tp of the positions under sequence parallel)
     m, v = 16 // (2 * dp), 2 if schedule == "interleaved_1f1b" else 1
     assert last["p2p_bytes_pipeline"] == 2 * m * (2 * 64 * 64 // (tp if sp else 1)) * (pp_ * v - 1) * 4
+
+
+UNEVEN = ("ddp", "fsdp")
+
+
+@pytest.mark.parametrize("data", UNEVEN)
+def test_uneven_stages(runs, single_pp, data):
+    """8 blocks over pp=2 x pp_virtual=3 virtual stages: 2, 2, 1, 1, 1, 1 blocks (split_blocks, the planner's split
+    too), interleaved 1F1B beside DDP or FSDP over dp=2: single's steps, weights and validation loss."""
+    (dirs, launch), (ref, _) = runs, single_pp
+    run_dir = dirs[f"uneven-{data}"]
+    assert [len(r) for r in pp.split_blocks(8, 6)] == [2, 2, 1, 1, 1, 1]
+    assert_steps(run_dir, ref, 1, STEPS)
+    assert_weights(ckpt(run_dir, STEPS), ckpt(ref, STEPS))
+    val, ref_val = ([r["val_loss"] for r in read_metrics(d) if "val_loss" in r] for d in (run_dir, ref))
+    assert val[0] == pytest.approx(ref_val[0], rel=1e-5)
+    assert "rank 0: wte + blocks 0-1 | blocks 4 | block 6" in job_output(launch, run_dir) or \
+        "rank 0: wte + blocks 0-1 | block 4 | block 6" in job_output(launch, run_dir), job_output(launch, run_dir)
 
 
 @pytest.mark.parametrize("schedule,data", CP_CASES, ids=CP_IDS)
@@ -280,8 +301,8 @@ def test_executor_runs_the_list():
 @pytest.mark.parametrize("overrides,world,message", [
     (("parallel=pp", "parallel.pp=3"), 4, "parallel.pp=3 x parallel.tp=1 = 3 must divide the number of ranks (4)"),
     (("parallel=pp", "model.n_layer=2"), 4, "4 stages, but the model has 2 blocks"),
-    (("parallel=pp", "parallel.pp_schedule=interleaved_1f1b", "model.n_layer=6"), 2,
-     "pp=2 x pp_virtual=2 = 4 virtual stages must divide the model's 6 blocks"),
+    (("parallel=pp", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual=3", "model.n_layer=5"), 2,
+     "pp=2 x pp_virtual=3 = 6 stages, but the model has 5 blocks"),
     (("parallel=pp", "parallel.pp_schedule=interleaved_1f1b", "model.n_layer=4", "train.global_batch_size=12",
       "train.micro_batch_size=4"), 2, "but a step has 3"),
     (("parallel=pp", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual=1", "model.n_layer=4"), 2,
