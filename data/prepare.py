@@ -7,9 +7,12 @@ Sources (conf/data/*.yaml):
 
 Text is read through HF `datasets`, tokenized with tiktoken in a batched `.map` over `num_proc` processes, documents
 are shuffled (fixed seed) and joined with EOT after each, and the stream's last `val_fraction` becomes the val shard.
-The cache key is a hash of the sources (paths, sizes, mtimes) and every setting that changes the tokens, so a change
-to either prepares again and a rerun costs nothing. Everything is written to a temporary folder and renamed into place
-only when complete: an interrupted prepare never leaves a half-written cache behind.
+The cache key is a hash of the sources' contents (each file's size and sha256, in order; no paths or times) and every
+setting that changes the tokens, so a change to either prepares again, a rerun costs nothing, and a cache prepared in
+one checkout or machine is found from another (tools/gpu_bench.py carries one to a GPU machine without `datasets`).
+Reading a prepared cache (prepare's early return, load) needs numpy and tiktoken, never `datasets`. Everything is
+written to a temporary folder and renamed into place only when complete: an interrupted prepare never leaves a
+half-written cache behind.
 """
 import glob
 import hashlib
@@ -24,7 +27,7 @@ import numpy as np
 
 from data import shards, tokenizer
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: the key holds the files' contents, not their paths and mtimes
 GPT2_VOCAB = 50257
 BUILDERS = {".txt": "text", ".md": "text", ".py": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -66,11 +69,22 @@ def local_files(dcfg):
     return files
 
 
+def file_digest(path, chunk=1 << 20):
+    """sha256 of a file's bytes, read in chunks: a corpus need not fit in memory (about 1 s per GB)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
 def cache_key(dcfg, files):
+    # the files by content alone: a path or an mtime differs between checkouts and machines (a copied file gets a
+    # new mtime), and would hide a cache that holds exactly these tokens
     what = {"v": CACHE_VERSION, "source": dcfg.source, "tokenizer": dcfg.tokenizer, "vocab": vocab_size(dcfg),
             "val_fraction": dcfg.val_fraction, "dtype": dcfg.token_dtype, "sample_by": dcfg.sample_by,
             "text_field": dcfg.text_field, "max_docs": dcfg.get("max_docs"), "hub": dcfg.get("hub_name"),
-            "files": [(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files or []]}
+            "files": [(os.path.getsize(f), file_digest(f)) for f in files or []]}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -116,7 +130,7 @@ def prepare(dcfg, cache_dir, log=print):
 
 
 def cache_path(dcfg, cache_dir, files=None):
-    """The cache folder of this data config (its key: the settings and the files' sizes and times)."""
+    """The cache folder of this data config (its key: the settings and the files' contents)."""
     files = files if files is not None or dcfg.source == "fineweb_edu" else local_files(dcfg)
     return os.path.join(os.path.expanduser(cache_dir), f"{dcfg.source}-{dcfg.tokenizer}-{cache_key(dcfg, files)}")
 

@@ -1,4 +1,5 @@
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -118,6 +119,21 @@ def test_prepare_caches_and_joins_documents_with_eot(tmp_path):
     assert not [p for p in os.listdir(cache) if ".tmp" in p]
     (tmp_path / "f0.txt").write_text("changed " * 50)  # a changed source prepares again
     assert prepare.prepare(cfg.data, cache, log=lambda *a: None) != folder
+
+
+def test_cache_key_is_the_contents_not_the_place(tmp_path):
+    """A cache is found from another checkout or machine (tools/gpu_bench.py's bundle): the key holds each file's
+    size and bytes, not its path, name or mtime; a changed byte, even at the same size, is another cache."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "corpus.txt").write_text("To be, or not to be\n\nthat is the question")
+    shutil.copy(tmp_path / "a" / "corpus.txt", tmp_path / "b" / "renamed.txt")
+    os.utime(tmp_path / "b" / "renamed.txt", (1e9, 1e9))
+    found = [prepare.cache_path(make_cfg("data=text", f"data.paths=[{tmp_path}/{f}]").data, "~/c")
+           for f in ("a/corpus.txt", "b/renamed.txt")]
+    assert found[0] == found[1]
+    (tmp_path / "b" / "renamed.txt").write_text("To be, or not to be\n\nthat is the Question")
+    assert prepare.cache_path(make_cfg("data=text", f"data.paths=[{tmp_path}/b/renamed.txt]").data, "~/c") != found[0]
 
 
 def test_pycode_source_is_the_stdlib():

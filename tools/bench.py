@@ -23,8 +23,6 @@ import sys
 import tempfile
 import time
 
-from tools import plan
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = [("single", None)] + [(s, i) for s in ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "fsdp_tp")
                                  for i in ("scratch", "torch")]
@@ -94,6 +92,7 @@ def run_one(strategy, impl, world, overrides, run_dir, timeout=None):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     steps = [r for r in records if "tok_per_s" in r][1:]  # the first window includes warm-up
+    from tools import plan  # here, not at the top: importing bench must not need omegaconf (tools/gpu_bench.py)
     predicted = plan.predict_run(run_dir)  # the theory for this very config
     records[0].update(comm_theory=predicted["comm_total"], state_theory=predicted["state"],
                       **({"p2p_theory": predicted["p2p_pipeline"], "bubble": predicted["bubble"],
