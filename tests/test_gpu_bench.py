@@ -44,7 +44,9 @@ class _Guard:
         where = os.path.realpath(spec.origin if spec.origin not in (None, "namespace") else (places or [""])[0])
         if where.startswith(_STDLIB) and os.sep + "site-packages" + os.sep not in where:
             return spec
-        found = name in _ALLOWED or where.startswith(_FREE)
+        # the checkout and the bundle are free, but not a virtualenv inside the checkout (CI's .venv)
+        installed = os.sep + "site-packages" + os.sep in where and not where.startswith(_FREE[1:])
+        found = name in _ALLOWED or (where.startswith(_FREE) and not installed)
         with open(_LOG, "a") as f:
             f.write(f"{os.getpid()} {'found' if found else 'hidden'} {name} {where}\n")
         return spec if found else None
