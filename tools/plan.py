@@ -800,6 +800,9 @@ def check(cfg):
     if problem:
         raise config.ConfigError(problem)
     config.validate(cfg)
+    if cfg.train.activation_checkpointing == "selective":  # what it keeps is not measured against the theory yet
+        raise config.ConfigError("train.activation_checkpointing=selective: the planner has no measured theory of "
+                                 "what selective checkpointing keeps yet; plan with none or full (its bounds)")
     layout = config.rules(cfg, cfg.plan.world, compute_dtype(cfg.train))
     problem = cluster_problem(layout, cfg.plan)
     if problem:
