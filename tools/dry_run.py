@@ -94,9 +94,7 @@ def check(cfg, under_torchrun=False):
     config.validate(cfg)
     d = cfg.dry_run
     problem = config.check_dry_run(d, cfg.launcher, under_torchrun)
-    if cfg.train.activation_checkpointing == "selective":  # the planner's line: nothing to set beside it yet
-        problem = ("train.activation_checkpointing=selective: the planner has no measured theory of what selective "
-                   "checkpointing keeps yet; plan with none or full (its bounds)")
+    problem = problem or plan.untheorized(cfg)  # the planner's own line: nothing to set beside the measurement
     if problem:
         raise ConfigError(problem)
     try:  # the training config's own rules, for this world: degrees that divide it, heads, batch, ...

@@ -791,6 +791,15 @@ def rule_book(cfg, layout):
     return config.layout_problem(cfg, layout, compute_dtype(cfg.train))
 
 
+def untheorized(cfg):
+    """Why the planner has no numbers for this config's settings (not its layout), or None: the dry run, which sets
+    its measurement beside the planner's, refuses the same."""
+    if cfg.train.activation_checkpointing == "selective":  # what it keeps is not measured against the theory yet
+        return ("train.activation_checkpointing=selective: the planner has no measured theory of what selective "
+                "checkpointing keeps yet; plan with none or full (its bounds)")
+    return None
+
+
 def check(cfg):
     """Everything the planner can know wrong before it plans: the cluster (check_plan), the settings
     (config.validate), the run's own rules on plan.world GPUs (config.rules: the model's, the layout's degrees and
@@ -800,9 +809,9 @@ def check(cfg):
     if problem:
         raise config.ConfigError(problem)
     config.validate(cfg)
-    if cfg.train.activation_checkpointing == "selective":  # what it keeps is not measured against the theory yet
-        raise config.ConfigError("train.activation_checkpointing=selective: the planner has no measured theory of "
-                                 "what selective checkpointing keeps yet; plan with none or full (its bounds)")
+    problem = untheorized(cfg)
+    if problem:
+        raise config.ConfigError(problem)
     layout = config.rules(cfg, cfg.plan.world, compute_dtype(cfg.train))
     problem = cluster_problem(layout, cfg.plan)
     if problem:
