@@ -242,3 +242,29 @@ def assert_same_weights(run_dir, ref_dir, atol=1e-6, rtol=1e-5):
     # are tiny, the rounding of a different summation order grows to a few 1e-7 (5e-7 seen after 6 steps)
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "broadcast", "all_to_all")
+
+
+def record_measured(r):
+    """A real run's metrics record in the dry run's form (tools/dry_run.py measure): state, comm total, and comm
+    by (mesh dimension, collective) from its comm_<dim>_<kind> keys."""
+    comm = {(k[5:-len(kind) - 1], kind): v for k, v in r.items() for kind in COLLECTIVES
+            if k.startswith("comm_") and k.endswith("_" + kind)}
+    return {"state_bytes": r["state_bytes"], "comm_bytes": r["comm_bytes"], "comm": comm}
+
+
+def assert_planner_equals(m, predicted, state=None, every=False):
+    """tools/plan.py's numbers equal measured ones (`m` as tools/dry_run.py measure returns them, or a real run's
+    record through record_measured): state and communication within 1%, the total and each (mesh dimension,
+    collective) the planner names, give or take what the planner says is a mean over ranks (predicted["spread"]:
+    each rank's ZeRO or FSDP shard holds its own piece of the norm gains, whose gradients sequence parallel sums over
+    tp). `every`: no collective measured that the planner doesn't name."""
+    spread = predicted.get("spread", {})
+    assert m["state_bytes"] == pytest.approx(state or predicted["state"], rel=0.01)
+    assert abs(m["comm_bytes"] - predicted["comm_total"]) <= 0.01 * predicted["comm_total"] + sum(spread.values())
+    for key, b in predicted["comm"].items():
+        assert abs(m["comm"].get(key, 0) - b) <= 0.01 * b + spread.get(key, 0), (key, m["comm"].get(key, 0), b)
+    if every:
+        assert {k for k, v in m["comm"].items() if v} <= set(predicted["comm"]), set(m["comm"]) - set(predicted["comm"])

@@ -11,7 +11,7 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import ROOT, make_cfg
+from conftest import ROOT, assert_planner_equals, make_cfg
 from config import ConfigError
 from parallel.layout import DATA_STRATEGIES, IMPLS, Layout, LayoutError
 from tools import dry_run, plan
@@ -43,14 +43,6 @@ def dry(*overrides, rank=3):
           "\n".join(f"  {w:32s} {a / 1e9:10.4f} GB {b / 1e9:10.4f} GB {dry_run.ratio(a, b)}"
                     for w, a, b in dry_run.compare(m, predicted)))
     return m, predicted
-
-
-def assert_planner_equals(m, predicted, state=None):
-    """State and communication within 1%: the total and each (mesh dimension, collective) the planner names."""
-    assert m["state_bytes"] == pytest.approx(state or predicted["state"], rel=0.01)
-    assert m["comm_bytes"] == pytest.approx(predicted["comm_total"], rel=0.01)
-    for key, b in predicted["comm"].items():
-        assert m["comm"].get(key, 0) == pytest.approx(b, rel=0.01), key
 
 
 CASES = [(s, impl) for s in LAYOUTS for impl in ("scratch", "torch") if not (impl == "torch" and s in ("ddp", "zero1"))]

@@ -6,15 +6,16 @@ checkpoint). Under each, the state on rank 0 and the bytes by mesh dimension say
 HSDP's shards over dp_shard (x cp), its all-reduce across dp_replicate, the activations between stages each cp
 rank's pieces, / tp under sequence parallel. Torch's twins where torch composes them: FSDP2 on the (dp_replicate,
 dp_shard) mesh beside DTensor tp, and torch's 1F1B schedule beside it. All five degrees at once need 32 ranks: the
-dry run builds and steps them as one rank of each pipeline stage, under the fake process group, and its state and
-bytes are the planner's terms for that stage (tools/plan.py has no theory of HSDP beside tp, cp or pp to predict()
-them)."""
+dry run builds and steps them as one rank of each pipeline stage, under the fake process group, at world 32 and
+512. The planner (tools/plan.py) equals every one of them: on the real runs, rank 0's state and its bytes by mesh
+dimension and collective; in the dry runs, each stage's."""
 import pytest
 
 import train
-from conftest import (assert_refused, assert_same_steps, assert_same_weights, make_cfg, read_metrics, small_run,
-                      torchrun_jobs)
-from tools import dry_run, plan
+from conftest import (assert_planner_equals, assert_refused, assert_same_steps, assert_same_weights, make_cfg,
+                      read_metrics, record_measured, small_run, torchrun_jobs)
+from parallel.layout import Layout
+from tools import dry_run
 
 # global batch 16 in micro-batches of 2: accumulation 2 over dp = 4, 8 micro-batches per step through a pipeline
 # of dp 1; one checkpoint, the last step's
@@ -85,6 +86,10 @@ def test_equal_to_single(single, runs, case):
             # reduces every micro-batch's gradients
             assert scattered == pytest.approx(P * 4, rel=1e-2)
             assert last[f"comm_{within}_all_gather"] == pytest.approx(2 * 2 * P * 4, rel=1e-2)
+    if "torch" not in case:  # the planner's theory is ours: rank 0's state and every collective by mesh dimension
+        cfg = make_cfg(*small_run(*RUN, *overrides))
+        assert_planner_equals(record_measured(last), dry_run.predict(cfg, Layout.from_config(cfg.parallel, 8),
+                                                                     "float32"), every=True)
     if cp > 1:
         assert last["comm_cp_p2p"] > 0  # the ring, within each stage
     if pp > 1:  # each micro-batch's activation over the one boundary and its gradient back: (b, T / cp / tp, d)
@@ -92,49 +97,56 @@ def test_equal_to_single(single, runs, case):
         assert last["p2p_bytes_pipeline"] == 2 * m * 2 * (64 // cp // tp) * D * 4 * (pp - 1)
 
 
-# --- all five at once: pp2 x dp_replicate2 x dp_shard2 x cp2 x tp2 = 32 ranks, in the dry run
-FIVE = ["parallel=pp", "parallel.pp=2", *HSDP, "parallel.cp=2", "parallel.tp=2", SP, "dry_run.world=32",
-        "train.seq_len=64", "train.micro_batch_size=1", "train.global_batch_size=8", "model.n_layer=2",
-        "dry_run.steps=1"]
+# --- all five at once, in the dry run: pp2 x dp_replicate2 x dp_shard2 x cp2 x tp2 = 32 ranks of the tiny model;
+# pp4 x dp_replicate4 x dp_shard8 x cp2 x tp2 = 512 ranks of gpt_1p3b's width (8 blocks, 2 per stage)
+FIVE = ["parallel=pp", *HSDP, "parallel.cp=2", "parallel.tp=2", SP, "train.micro_batch_size=1", "dry_run.steps=1"]
+AT_32 = [*FIVE, "parallel.pp=2", "dry_run.world=32", "train.seq_len=64", "train.global_batch_size=8",
+         "model.n_layer=2"]
+AT_512 = [*FIVE, "parallel.pp=4", "parallel.dp_replicate=4", "parallel.dp_shard=8", "dry_run.world=512",
+          "model=gpt_1p3b", "model.n_layer=8", "train.seq_len=256", "train.global_batch_size=64",
+          "dry_run.compute=fake"]
 
 
-@pytest.mark.parametrize("rank", [5, 21])  # of the first stage (ranks 0-15) and of the last (16-31)
-def test_all_five_at_world_32(tmp_path, rank):
-    """Rank `rank` of 32 builds and steps the five-dimensional layout (train.py's dry-run entry, fake tensors; real
-    ones measure the same bytes): our FSDP over dp_shard x cp = 4 ranks, replicas across dp_replicate, on each tp
+@pytest.mark.parametrize("world,rank", [(32, 5), (32, 21), (512, 300)])  # the first stage, the last; the third
+def test_all_five_equal_the_planner(tmp_path, world, rank):
+    """Rank `rank` builds and steps the five-dimensional layout (train.py's dry-run entry; real tensors at world 32,
+    where fake ones measure the same bytes, fake at 512): our FSDP over dp_shard x cp, replicas across dp_replicate, on each tp
     slice of each stage, the ring within the stage, sequence-parallel tp, the stages' activations each cp rank's
-    pieces / tp. Its state and bytes per mesh dimension are the planner's terms for its stage."""
-    cfg = make_cfg(*FIVE, f"dry_run.rank={rank}")
+    pieces / tp. Its state and every collective by mesh dimension equal the planner's for its stage."""
+    cfg = make_cfg(*(AT_32 if world == 32 else AT_512), f"dry_run.rank={rank}")
     layout, _, dtype, accum, compute, predicted = dry_run.check(cfg)
-    assert layout.name == "pp_hsdp_tp_cp" and predicted is None and compute == "fake"  # no planner prediction
+    assert layout.name == "pp_hsdp_tp_cp" and compute == ("real" if world == 32 else "fake")  # auto: what fits
     m = dry_run.run(cfg, str(tmp_path / "run"))
-    real = dry_run.measure(cfg, layout, rank, "real", "cpu", dtype, accum, 1)
-    for key in ("state_bytes", "transient_bytes", "activation_bytes", "comm_bytes", "comm"):
-        assert real[key] == m[key], key
-    assert m["dims"] == {"pp": 2, "dp": 4, "cp": 2, "tp": 2} and accum == 2
+    if world == 32:
+        fake = dry_run.measure(cfg, layout, rank, "fake", "cpu", dtype, accum, 1)
+        for key in ("state_bytes", "transient_bytes", "activation_bytes", "comm_bytes", "comm"):
+            assert fake[key] == m[key], key
+    pp = layout.pp
+    assert m["dims"] == {"pp": pp, "dp": world // pp // 4, "cp": 2, "tp": 2}
+    assert predicted["dp_shard"] == layout.dp_shard * 2  # the shard group: dp_shard x cp
+    assert_planner_equals(m, predicted, every=True)
+    # the terms by name: FSDP within dp_shard x cp, its slices across replicas, the ring, the pipeline, the clip
+    assert {dim for dim, _ in m["comm"]} == {"dp_shard_cp", "dp_replicate", "tp", "cp", "pp", "world"}
 
-    shape = plan.model_shape(cfg)
-    stage = plan.pp_stages(shape, 2)[rank // 16]
-    P, shard, b, T, d = plan.params_per_rank(stage, 2), 2 * 2, 1, 64, shape["n_embd"]
-    assert layout.shard_ranks == shard
-    assert m["state_bytes"] == pytest.approx(sum(plan.state_bytes(layout, P).values()), rel=1e-3)
-    c = m["comm"]
-    expect = {("dp_shard_cp", "all_gather"): accum * 2 * P * 4, ("dp_shard_cp", "reduce_scatter"): P * 4,
-              ("dp_replicate", "all_reduce"): 2 * P / shard * 4,
-              # per micro-batch, each block's 4 sequence-parallel all-gathers and 4 reduce-scatters of (b, T / cp,
-              # d), forward and backward, and the stage's end (the embedding's or the head's) one each
-              ("tp", "all_gather"): accum * b * T // 2 * d * 4 * (4 * stage["n_layer"] + 1),
-              ("tp", "reduce_scatter"): accum * b * T // 2 * d * 4 * (4 * stage["n_layer"] + 1),
-              ("cp", "p2p"): plan.cp_comm_bytes(stage, b, T, 4, accum, 2, "ring", 2)["cp", "p2p"],
-              ("pp", "p2p"): 2 * accum * b * (T // 2 // 2) * d * 4 * stage["boundaries"],
-              ("world", "all_reduce"): 8}  # the gradient norm's one scalar, over every rank
-    for key, v in expect.items():
-        assert c[key] == pytest.approx(v, rel=1e-2), key
-    # tp's all-reduces: the last stage's vocab-parallel loss (3 numbers a token), and the norm gains' gradients
-    # where this rank's FSDP shard holds a piece of them (sequence parallel sums them over tp)
-    loss = accum * 2 * 3 * b * T // 2 * 4 if stage["last"] else 0
-    assert loss <= c.get(("tp", "all_reduce"), 0) <= loss + 2 * (2 * stage["n_layer"] + 1) * d * 4
-    assert set(c) == set(expect) | ({("tp", "all_reduce")} if c.get(("tp", "all_reduce")) else set())
+
+# each composition of the world-8 cases above at cluster scale: 512 ranks of gpt_1p3b's width (8 blocks)
+AT_SCALE = ["model=gpt_1p3b", "model.n_layer=8", "train.seq_len=256", "train.micro_batch_size=1",
+            "train.global_batch_size=256", "dry_run.world=512", "dry_run.steps=1", "dry_run.compute=fake"]
+COMPOSED = {"hsdp_tp": [*HSDP, "parallel.dp_shard=64", "parallel.tp=4", SP],
+            "hsdp_cp": [*HSDP, "parallel.dp_replicate=4", "parallel.dp_shard=64", "parallel.cp=2"],
+            "pp_tp_cp": [*PP, "parallel.pp=4", "parallel.tp=4", "parallel.cp=4", SP, "parallel.data=fsdp"],
+            "pp_hsdp": [*PP, "parallel.pp=4", *HSDP, "parallel.dp_replicate=16", "parallel.dp_shard=8"]}
+
+
+@pytest.mark.parametrize("name", COMPOSED)
+def test_compositions_at_512_equal_the_planner(name):
+    """Rank 300 of 512 under each composition (fake tensors): its state and every collective by mesh dimension equal
+    the planner's numbers for that rank (its pipeline stage's)."""
+    cfg = make_cfg(*AT_SCALE, *COMPOSED[name], "dry_run.rank=300")
+    layout, device, dtype, accum, compute, predicted = dry_run.check(cfg)
+    assert layout.name == name.replace("pp_tp_cp", "pp_fsdp_tp_cp") and layout.world == 512
+    m = dry_run.measure(cfg, layout, 300, compute, device, dtype, accum, 1)
+    assert_planner_equals(m, predicted, every=True)
 
 
 @pytest.mark.parametrize("overrides,world,message", [

@@ -38,9 +38,8 @@ What runs under the fake backend (checked by tests/test_dry_run.py):
   of the pp rank played (dry_run.rank // (world / pp)). torch.distributed.pipelining runs without a data strategy
   here (Layout.problem), so its row is one line saying so.
 - not torch's context_parallel: it is GPU-only (Layout.problem), here as in a real run.
-- all five degrees at once (pp x dp_replicate x dp_shard x cp x tp, ours; tests/test_mesh.py at world 32). The planner
-  has no theory of HSDP beside tp, cp or pp yet (`planner_gap`): those runs report the measured numbers alone, and
-  dry_run.compute=auto takes fake tensors for them.
+- all five degrees at once (pp x dp_replicate x dp_shard x cp x tp, ours; tests/test_mesh.py at world 32), each
+  term beside the planner's for that pipeline stage.
 """
 import contextlib
 import os
@@ -58,7 +57,6 @@ from config import ConfigError
 from data import prepare
 from model import GPT
 from parallel.comm import CommCounter
-from parallel.layout import Layout
 from parallel.strategy import dp_mesh
 from tools import plan
 
@@ -104,31 +102,20 @@ def check(cfg, under_torchrun=False):
     problem = fake_group_problem(layout)
     if problem:
         raise ConfigError(problem)
-    # None where the planner has no theory of the layout: then nothing says how much memory it needs, and auto
-    # takes fake tensors
-    predicted = predict(cfg, layout, dtype) if planner_gap(layout) is None else None
-    need = predicted["total_memory"] / GB if predicted else None
+    predicted = predict(cfg, layout, dtype)
+    need = predicted["total_memory"] / GB
     total = machine_memory_gb()
     if total is not None and d.memory_gb > total:
         raise ConfigError(f"dry_run.memory_gb={d.memory_gb:g} is more than this machine's {total:.0f} GB")
     t = cfg.train  # the rank's compute per step: tp splits it, dp does not
     flops = plan.model_shape(cfg)["flops_per_token"] * t.micro_batch_size * accum * t.seq_len / layout.tp
-    fits = need is not None and need <= d.memory_gb and flops <= REAL_FLOPS
+    fits = need <= d.memory_gb and flops <= REAL_FLOPS
     compute = d.compute if d.compute != "auto" else "real" if fits else "fake"
-    if compute == "real" and need is not None and need > d.memory_gb:
+    if compute == "real" and need > d.memory_gb:
         raise ConfigError(f"dry_run.compute=real: rank {d.rank}'s state, transient and activations need "
                           f"{need:.1f} GB (tools/plan.py), over dry_run.memory_gb={d.memory_gb:g}; use "
                           f"dry_run.compute=fake (or auto), a larger dry_run.world, or a smaller model or micro-batch")
     return layout, device, dtype, accum, compute, predicted
-
-
-def planner_gap(layout):
-    """Why tools/plan.py has no numbers for this layout, or None. Its HSDP is HSDP alone: its shard degree is the
-    dp_shard of a plain hsdp layout, where beside cp FSDP shards over dp_shard x cp and beside pp over a stage's
-    dp_shard (its numbers for hsdp_cp and pp_hsdp would be plain FSDP's, hsdp_tp has no entry)."""
-    if layout.hsdp and (layout.tp > 1 or layout.cp > 1 or layout.pp > 1):
-        return f"tools/plan.py has no theory of HSDP beside tp, cp or pp yet (parallel={layout.name})"
-    return None
 
 
 def predict(cfg, layout, dtype):
@@ -294,11 +281,6 @@ def report(cfg, measured, predicted):
              "dry run: the fake process group moves no data, so the losses mean nothing; none is reported",
              f"step {m['step']} (built in {m['build_s']:.1f} s, step {m['step_s']:.1f} s):",
              f"  {'':34s} {'measured GB':>12s} {'planner GB':>12s} {'ratio':>8s}"]
-    if predicted is None:  # the measured numbers alone, in compare's rows
-        lines[-1] = f"  {'':34s} {'measured GB':>12s}   planner: none, " + \
-            planner_gap(Layout.from_config(cfg.parallel, m["world_size"]))
-        zero = {"state": 0, "memory": {"transient": 0}, "one_micro_batch": (0,), "comm": {}, "comm_total": 0}
-        return "\n".join(lines + [f"  {what:34s} {a / GB:12.4f}" for what, a, _ in compare(m, zero)])
     for what, a, b in compare(m, predicted):
         lines.append(f"  {what:34s} {a / GB:12.4f} {b / GB:12.4f} {ratio(a, b):>8s}")
     return "\n".join(lines)
@@ -322,8 +304,7 @@ def run(cfg, run_dir, under_torchrun=False):
 
     first = {"step": 0, "dry_run": True, "compute": compute, "rank": d.rank, "world_size": d.world,
              **layout.record(), "grad_accum": accum, "device": device, "dtype": dtype,
-             **({"predicted_state_bytes": predicted["state"], "predicted_comm_bytes": predicted["comm_total"]}
-                if predicted else {})}
+             "predicted_state_bytes": predicted["state"], "predicted_comm_bytes": predicted["comm_total"]}
 
     def log(step, out):
         if step == 1:  # the first record, as a real run's: what was built (known once it is)
@@ -379,9 +360,6 @@ def table(overrides, impls=("scratch", "torch"), steps=1, only=None):
             skipped.append(f"parallel={name} impl={impl}: {e}")  # listed whatever `only`: refused, it has no Layout
             continue
         if only is not None and layout.name not in only:
-            continue
-        if predicted is None:  # nothing to set beside the measured numbers
-            skipped.append(f"{layout.name} {impl}: {planner_gap(layout)}")
             continue
         m = measure(cfg, layout, cfg.dry_run.rank, compute, device, dtype, accum, steps)
         ppeak = predicted["state"] + predicted["memory"]["transient"]

@@ -149,35 +149,59 @@ def comm_bytes(layout, P, accum, knobs=KNOBS, shape=None, micro=0, seq=0, act_by
         if layout.hsdp:
             c["dp_replicate", "all_reduce"] += 2 * P / layout.shard_ranks * rb
     if layout.tp > 1:
-        c.update(tp_comm_bytes(shape, micro, seq, act_bytes, accum, knobs["sequence_parallel"], pb))
+        # sequence parallel sums the norm gains' gradients over tp where the strategy keeps them: whole, or (ZeRO,
+        # FSDP) the rank's shard of them, 1/shard_ranks of them on average
+        gains = 1 / layout.shard_ranks if layout.strategy in ("zero1", "zero2", "fsdp") else 1
+        c.update(tp_comm_bytes(shape, micro, seq, act_bytes, accum, knobs["sequence_parallel"], pb, gains))
     return c
 
 
-def tp_comm_bytes(shape, micro, seq, act_bytes, accum, sequence_parallel, stream_bytes=None):
+def tp_comm_bytes(shape, micro, seq, act_bytes, accum, sequence_parallel, stream_bytes=None, gains=1.0):
     """Megatron-style tensor parallelism (Shoeybi et al., 2019; Korthikanti et al., 2022), per optimizer step:
     - each block, per micro-batch: an all-reduce after attention's and after the MLP's row-parallel layer in
       forward, and of the gradient entering each column-parallel layer in backward: 4 x 2 x (b s d) activations
     - the vocab-parallel embedding: one all-reduce of its output in forward; the head's input gradient: one in
       backward
     - the vocab-parallel loss: the rows' max (b s fp32), then [sum of exp, target logit] (2 b s fp32)
+    A pipeline stage's shape (pp_stages) has the embedding only on the first stage, the head and loss only on the
+    last.
     Dtypes: the row-parallel outputs are matmul results, in the compute dtype (`act_bytes`: bf16 under autocast);
     the embedding's output and every gradient entering a column-parallel layer belong to the residual stream, in the
     working weights' dtype (`stream_bytes`: float32 under autocast with fp32 weights, whose norms run in fp32;
     measured, tests/test_bf16.py).
     With sequence parallelism every activation all-reduce is an all-gather plus a reduce-scatter moving the same
     counted bytes; the norm gains, now fed different tokens on each rank, get their gradients all-reduced once per
-    step: (2L + 1) d fp32."""
+    step: (2L + 1) d fp32 (the last stage's final norm: + 1), or `gains` of them where the rank holds a shard of
+    the gradients (ZeRO, FSDP: parallel/tp.py sums the rank's pieces)."""
     L, d = shape["n_layer"], shape["n_embd"]
+    first, last = shape.get("first", True), shape.get("last", True)
     n = micro * seq * d  # elements of one activation tensor of the micro-batch
-    acts = accum * 2 * n * (2 * L * act_bytes + (2 * L + 2) * (stream_bytes or act_bytes))  # all-reduces count 2x
+    # all-reduces count 2x
+    acts = accum * 2 * n * (2 * L * act_bytes + (2 * L + first + last) * (stream_bytes or act_bytes))
     c = Counter()
     if sequence_parallel:
         c["tp", "all_gather"] += acts / 2
         c["tp", "reduce_scatter"] += acts / 2
-        c["tp", "all_reduce"] += 2 * (2 * L + 1) * d * 4
+        c["tp", "all_reduce"] += 2 * (2 * L + last) * d * 4 * gains
     else:
         c["tp", "all_reduce"] += acts
-    c["tp", "all_reduce"] += accum * 2 * (1 + 2) * micro * seq * 4
+    c["tp", "all_reduce"] += accum * 2 * (1 + 2) * micro * seq * 4 * last
+    return c
+
+
+def clip_comm(layout):
+    """The global gradient norm's scalar all-reduces (parallel/strategy.py clip_grad_norm, ours), 8 bytes each as
+    counted: where every rank holds a disjoint piece of the gradients (ZeRO, FSDP, HSDP's replicas weighted), one
+    over the whole world; tensor parallel over whole dp gradients: one over tp, and one over pp beside a pipeline;
+    whole gradients: one over pp beside a pipeline, else none. Torch's DTensor gradients (FSDP2, DTensor tp) reduce
+    their norm over their own mesh: its few bytes are left out."""
+    if layout.impl == "torch" and (layout.strategy in ("zero2", "fsdp") or layout.tp > 1):
+        return Counter()
+    if layout.strategy in ("zero1", "zero2", "fsdp"):
+        return Counter({("world", "all_reduce"): 8})
+    c = Counter({("tp", "all_reduce"): 8} if layout.tp > 1 else {})
+    if layout.pp > 1:
+        c["pp", "all_reduce"] += 8
     return c
 
 
@@ -470,7 +494,7 @@ def pp_predict(cfg, layout, ac, shape, plan):
                    chunks touch, its gradient back, a send and a receive each counted (parallel/comm.py): 2 m b s d
                    x boundaries elements, in the working weights' dtype (the residual stream's), / tp under
                    sequence parallelism; the pipeline sends 2 m b s d (pp v - 1) in all
-      clipping     the squared gradient norm summed over the stages: one fp32 all-reduce (8 bytes as counted)
+      clipping     the squared gradient norm summed over the stages too (clip_comm)
       time         the slowest rank's compute stretched by the schedule's bubble (span = busy / (1 - bubble), the
                    bubble of the same action lists), plus its exposed data-parallel communication, plus the fill
                    and drain: one hop per boundary each way that nothing overlaps, and any p2p time beyond the
@@ -485,15 +509,12 @@ def pp_predict(cfg, layout, ac, shape, plan):
     bubble, held = pp_schedule_shape(p.pp_schedule, pp, m, v)
     split = tp if knobs["sequence_parallel"] else 1
     hop = t.micro_batch_size * (t.seq_len // cp) * shape["n_embd"] / split * DTYPE_BYTES[knobs["param_dtype"]]
-    clip = ("pp" if layout.stage_world == 1 else "world", "all_reduce")  # the group parallel/comm.py files it under
     for r, s, n_held in zip(ranks, stages, held):
         kept, recompute = r["one_micro_batch"]
         r["pp"] = pp
         r["memory"]["activations"] = kept * n_held / v + recompute
         r["total_memory"] = sum(r["memory"].values())
         r["comm"]["pp", "p2p"] = r["p2p_total"] = 2 * m * hop * s["boundaries"]
-        r["comm"][clip] += 8
-        r["comm_total"] += 8
     largest = max(range(pp), key=lambda k: ranks[k]["total_memory"])
     out = {**ranks[largest], "pp": pp, "pp_schedule": p.pp_schedule, "pp_virtual": v,
            "micro_batches": m, "bubble": bubble, "in_flight": held, "largest_stage": largest, "stage": stages[largest], "pp_ranks": ranks,
@@ -549,6 +570,12 @@ def _predict(cfg, layout, ac, shape, plan):
     if cp > 1:
         comm.update(cp_comm_bytes(shape, t.micro_batch_size, t.seq_len, act_bytes, accum, cp, method, tp,
                                   checkpointed))
+    clip = clip_comm(layout)  # scalars: the step time leaves them out
+    # what of comm is a mean over ranks: under sequence parallel each rank's ZeRO or FSDP shard holds its own piece of
+    # the norm gains (none to all of them, by where the shard boundaries fall), whose gradients it sums over tp
+    spread = Counter({("tp", "all_reduce"): 2 * (2 * shape["n_layer"] + shape.get("last", True)) * shape["n_embd"]
+                      * 4}) if tp > 1 and knobs["sequence_parallel"] and layout.strategy in ("zero1", "zero2", "fsdp") \
+        else Counter()
     kept, recompute = cp_activation_bytes(shape, t.micro_batch_size, t.seq_len, act_bytes, cp, method, tp,
                                           knobs["sequence_parallel"], checkpointed)
     memory = {**state, "transient": transient_bytes(layout, shape, P, accum, knobs),
@@ -559,16 +586,18 @@ def _predict(cfg, layout, ac, shape, plan):
         # parallel/cp.py computes each block's scores explicitly (no flash kernel): in backward about three fp32
         # (b, H/tp, 2C, 2C) matrices at once (probabilities, their gradient, the scores')
         memory["ring scores"] = 3 * t.micro_batch_size * shape["n_head"] / tp * (t.seq_len // cp) ** 2 * 4
-    dims = {"dp": "dp_cp" if cp > 1 else "dp"}  # as parallel/comm.py files them
+    # as parallel/comm.py files them: beside cp the data strategy reduces over dp x cp (HSDP: dp_shard x cp)
+    dims = {"dp": "dp_cp", "dp_shard": "dp_shard_cp"} if cp > 1 else {}
     # dp_shard and dp_replicate as the theory sees them: the ranks of a shard (dp x cp, HSDP's dp_shard) and of a
     # replica group
     out = {"layout": layout, "pp": 1, "tp": tp, "dp": layout.dp, "cp": cp, "dp_shard": shard,
            "dp_replicate": n // shard, "accum": accum, "ac": ac,
            "params_per_rank": P, "state": sum(state.values()), "memory": memory, "total_memory": sum(memory.values()),
-           "comm": Counter({(dims.get(d, d), k): v for (d, k), v in comm.items()}),
+           "comm": Counter({(dims.get(d, d), k): v for (d, k), v in comm.items()}) + clip,
            # as parallel/comm.py's comm_bytes: collectives; the ring's sends and receives apart
-           "comm_total": sum(v for (d, k), v in comm.items() if k != "p2p"), "p2p_total": comm["cp", "p2p"],
-           "knobs": knobs, "one_micro_batch": (kept, recompute)}
+           "comm_total": sum(v for (d, k), v in comm.items() if k != "p2p") + sum(clip.values()),
+           "p2p_total": comm["cp", "p2p"],
+           "spread": spread, "knobs": knobs, "one_micro_batch": (kept, recompute)}
     if cp > 1:
         out["balance"] = cp_balance(t.seq_len, cp)
     if plan is not None:
@@ -728,12 +757,14 @@ def report(cfg, shape, layout=None):
         lines += [f"  activation checkpointing {p['ac']:4s}: activations {gb(m['activations']):>7}, total "
                   f"{gb(p['total_memory']):>7} of {gpu['memory'] * plan.usable_memory / 1e9:.0f} usable: "
                   f"{'fits' if p['fits'] else 'does NOT fit'}"]
-    w = max([4] + [len(dim) for dim, _ in chosen["comm"]])  # HSDP's dimensions have longer names
+    # the gradient norm's scalar all-reduces (clip_comm: 8 bytes each) are in the totals, not rows of their own
+    rows = {key: v for key, v in chosen["comm"].items() if v > 8}
+    w = max([4] + [len(dim) for dim, _ in rows])  # HSDP's dimensions have longer names
     lines += ["", "communication per step per rank",
               f"  {'dim':{w}s} {'collective':15s} {'GB':>9s} {'ranks':>6s} {'GB/s':>6s} {'ms':>9s}"]
     size = {**{k: chosen[k] for k in ("dp", "tp", "cp", "dp_shard", "dp_replicate", "pp")},
             "dp_cp": chosen["dp"] * chosen["cp"], "world": world}
-    for (dim, kind), v in sorted(chosen["comm"].items()):
+    for (dim, kind), v in sorted(rows.items()):
         ms = 1e3 * chosen["time"]["each"][dim, kind]
         lines.append(f"  {dim:{w}s} {kind:15s} {gb(v):>9} {size[dim]:>6d} {bw[dim] / 1e9:>6.0f} {ms:>9.1f}")
     lines.append(f"  {'':{w}s} {'total':15s} {gb(chosen['comm_total'] + chosen['p2p_total']):>9}")
