@@ -141,8 +141,14 @@ def torchrun_jobs(nproc, jobs, timeout=600):
     """Several train.py jobs [(run dir, [overrides])] on nproc local ranks (gloo), in one torchrun launch
     (tools/jobs.py): torch, Hydra and W&B start once per rank for all of them. Returns the CompletedProcess."""
     from tools import jobs as job_runner
+    start = time.time()
     p = job_runner.launch(nproc, jobs, timeout=timeout)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    if os.environ.get("JOB_TIMES"):  # where a launch's time goes: JOB_TIMES=FILE pytest ... gets one line per job
+        with open(os.environ["JOB_TIMES"], "a") as f:
+            f.write(f"launch of {nproc} ranks, {len(jobs)} jobs: {time.time() - start:.1f} s\n")
+            f.writelines(line + "\n" for line in p.stdout.splitlines() if line.endswith(tuple(d for d, _ in jobs))
+                         and " s for " in line)
     return p
 
 

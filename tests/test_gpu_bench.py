@@ -142,9 +142,21 @@ def test_gpu_bench_runs_on_a_bare_image_from_its_bundle(tmp_path):
     out = tmp_path / "out"
     p = gpu_bench("--device", "cpu", "--tiny", "--out", str(out), "--use-bundle", bundle, env=env)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    rows = json.loads((out / "gpu_bench.json").read_text())["rows"]
+    saved = json.loads((out / "gpu_bench.json").read_text())
+    rows = saved["rows"]
     assert [(r["parallel"], r["status"]) for r in rows] == [("single", "ok"), ("fsdp (ours), 1 rank", "ok"),
                                                             ("FSDP2, 1 rank", "ok")], [r["status"] for r in rows]
+    # the GPU benchmark's logic on a CPU: the matmul rate, tinyshakespeare in GPT-2 tokens, the jobs each profiled,
+    # the table and the JSON in --out (no MFU against a datasheet, no reserved memory: a CPU has none)
+    assert saved["device"] == "CPU"
+    for r in rows:
+        assert r["tok_per_s"] > 0 and r["mfu"] is None and r["peak_reserved_gb"] is None
+        assert 0 < r["mfu_vs_matmul"] < 1 and r["step_ms"] > 0 and r["peak_alloc_gb"] > 0
+        # on a CPU the ops are the device's work: what lies outside them is the host's Python
+        assert 0 < r["outside_kernels"] == r["python"] < 1 and r["launch"] == r["sync"] == 0
+    md = (out / "gpu_bench.md").read_text()
+    assert "| model | micro | parallel | compile | tok_per_s | MFU | MFU_vs_matmul | step_ms | alloc_GB |" in md
+    assert md in p.stdout
     seen, loaded = imports(log)
     ranks = [pid for pid, mods in loaded.items() if "train" in mods]  # train.py imports itself by name
     assert len(ranks) == 3 and len(loaded) >= 7, loaded.keys()  # the benchmark, and per job torchrun and its rank

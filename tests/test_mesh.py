@@ -1,6 +1,6 @@
 """The whole mesh composes: pp x dp_replicate x dp_shard x cp x tp with any degrees above 1 at once.
 
-At world 8 (one torchrun launch for every case) each combination that needs three degrees of 2 runs 3 steps equal
+At world 8 (in the session's one world-8 launch) each combination that needs three degrees of 2 runs 3 steps equal
 to parallel=single on the same settings: per-step loss and gradient norm, and the final weights (the last
 checkpoint). Under each, the state on rank 0 and the bytes by mesh dimension say the groups are the right ones:
 HSDP's shards over dp_shard (x cp), its all-reduce across dp_replicate, the activations between stages each cp
@@ -12,8 +12,8 @@ dimension and collective; in the dry runs, each stage's."""
 import pytest
 
 import train
-from conftest import (assert_planner_equals, assert_refused, assert_same_steps, assert_same_weights, make_cfg,
-                      read_metrics, record_measured, small_run, torchrun_jobs)
+from conftest import (assert_planner_equals, assert_refused, assert_same_steps, assert_same_weights, launch_jobs,
+                      make_cfg, read_metrics, record_measured, small_run)
 from parallel.layout import Layout
 from tools import dry_run
 
@@ -43,13 +43,15 @@ def single(tmp_path_factory):
     return run_dir
 
 
+@launch_jobs(8)
+def jobs(root, request):
+    """Every case, in the session's world-8 launch."""
+    return {case: (str(root / case), small_run(*RUN, *overrides)) for case, (overrides, _) in CASES.items()}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every case on 8 ranks, in one torchrun launch (about 2 minutes on 2 idle cores)."""
-    root = tmp_path_factory.mktemp("mesh")
-    dirs = {case: str(root / case) for case in CASES}
-    torchrun_jobs(8, [(dirs[case], small_run(*RUN, *overrides)) for case, (overrides, _) in CASES.items()])
-    return dirs
+def runs(launch8):
+    return launch8[__name__][0]
 
 
 def rank0_params(pp, tp):

@@ -13,8 +13,11 @@ from conftest import RUN, assert_refused, assert_same_steps, assert_same_weights
 from parallel import tp as tensor_parallel
 from parallel.strategy import materialize
 
-# 4 heads (the other tests' model has 2), so that tp=4 splits whole heads
-TP_RUN = (*RUN, "model.n_head=4")
+# 4 heads (the other tests' model has 2), so that tp=4 splits whole heads; 4 steps of micro-batches of 4 (accumulation
+# 4 at tp=4, 2 beside dp=2): every micro-step is ~12 collectives per block pair, each ~6 ms on 4 ranks sharing 2
+# cores (measured, 2026-12-02), so fewer and larger micro-steps keep the launch short
+TP_RUN = (*(o for o in RUN if not o.startswith(("train.micro_batch_size", "train.max_steps"))), "model.n_head=4",
+          "train.micro_batch_size=4", "train.max_steps=4")
 
 
 @pytest.fixture(scope="session")
@@ -67,7 +70,7 @@ def test_equal_to_single(runs, single_tp, strategy, impl, tp, sp):
     assert_same_steps(run_dir, single_tp)
     # tensor parallel sums every input gradient over ranks, in another order than one process does; Adam's
     # normalization magnifies that rounding where gradients are tiny (3e-6 seen in one element). The weights move
-    # up to 3e-3 in these 6 steps: 1e-5 is 0.3% of that
+    # up to 3e-3 in 6 steps: 1e-5 is 0.3% of that
     assert_same_weights(run_dir, single_tp, atol=1e-5)
     start, last = read_metrics(run_dir)[0], read_metrics(run_dir)[-1]
     assert (start["dp"], start["tp"]) == (4 // tp, tp)

@@ -10,6 +10,7 @@ import gc
 import json
 import os
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -29,10 +30,12 @@ def main(path, around=lambda run_dir: contextlib.nullcontext()):
     for run_dir, overrides in jobs:
         if dist.get_rank() == 0:  # markers around each job's console output, for tests that read it
             print(f"layouts: start {run_dir}", flush=True)
+        start = time.time()
         with around(run_dir):
             train.run(compose(overrides, "config"), run_dir)
         if dist.get_rank() == 0:
             print(f"layouts: done {run_dir}", flush=True)
+            print(f"layouts: {time.time() - start:.1f} s for {run_dir}", flush=True)  # where a launch's time goes
         gc.freeze()  # what the job left behind (lazily imported modules) joins the rest
     dist.barrier()
     dist.destroy_process_group()
