@@ -32,7 +32,10 @@ tokens. Attention needs every earlier token's key and value, and that is all tha
   the all-gather keeps the whole sequence's K, V in every layer for backward. Each block runs in a fused attention
   kernel that returns its log-sum-exp (on a CPU aten's flash kernel, forward and backward, in the activations'
   dtype): tiles, never a (2C)^2 scores tensor; the partial outputs merge in float32.
-  Communication per layer and step (bytes of K and V of one rank, kv = 2 B (T/cp) d x element size):
+  Only K and V travel, with their own n_kv_head heads (grouped-query attention: n_head / n_kv_head fewer bytes than
+  full multi-head attention's; each block's kernel reads each key/value head for its query heads).
+  Communication per layer and step (bytes of K and V of one rank, kv = 2 B (T/cp) d_kv x element size, d_kv =
+  n_kv_head x head_dim):
     ring       forward (cp - 1) hops of kv; backward (cp - 1) of kv and (cp - 1) of dK, dV (float32). Each hop is a
                send and a receive; parallel/comm.py counts both, as p2p on the "cp" dimension.
     all-gather forward one all-gather of K, V (its output: cp x kv); backward one reduce-scatter (its input: cp x kv).
@@ -99,7 +102,8 @@ def attention_block(q, k, v, causal):
     if fused(q):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
         return out.float(), lse
-    q, k, v = q.float(), k.float(), v.float()
+    rep = q.size(1) // k.size(1)  # grouped-query attention: each key/value head serves rep query heads in a row
+    q, k, v = q.float(), k.float().repeat_interleave(rep, 1), v.float().repeat_interleave(rep, 1)
     s = (q @ k.transpose(-2, -1)) * q.size(-1) ** -0.5
     if causal:
         s = s.masked_fill(_future(s), float("-inf"))
@@ -114,7 +118,9 @@ def attention_block_backward(q, k, v, out, dout, lse, causal):
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0,
                                                                                    causal)
         return tuple(g.float() for g in grads)
-    q, k, v, out, dout = q.float(), k.float(), v.float(), out.float(), dout.float()
+    B, H_kv, rep = k.size(0), k.size(1), q.size(1) // k.size(1)
+    q, out, dout = q.float(), out.float(), dout.float()
+    k, v = k.float().repeat_interleave(rep, 1), v.float().repeat_interleave(rep, 1)
     scale = q.size(-1) ** -0.5
     s = (q @ k.transpose(-2, -1)) * scale
     if causal:
@@ -122,7 +128,9 @@ def attention_block_backward(q, k, v, out, dout, lse, causal):
     p = (s - lse[..., None]).exp()
     delta = (dout * out).sum(-1)
     ds = p * (dout @ v.transpose(-2, -1) - delta[..., None])
-    return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, p.transpose(-2, -1) @ dout
+    dk, dv = (ds.transpose(-2, -1) @ q) * scale, p.transpose(-2, -1) @ dout
+    group = lambda g: g.view(B, H_kv, rep, *g.shape[2:]).sum(2)  # each key/value head's query heads' parts summed
+    return (ds @ k) * scale, group(dk), group(dv)
 
 
 def _future(s):
