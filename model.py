@@ -133,7 +133,8 @@ class Attention(nn.Module):
         qkv = self.qkv(x).view(B, T, -1, self.rep + 2, self.head_dim)
         q = apply_rope(qkv[:, :, :, :self.rep], cos[:, None], sin[:, None]).view(B, T, -1, self.head_dim)
         k = apply_rope(qkv[:, :, :, self.rep], cos, sin)
-        v = qkv[:, :, :, self.rep + 1]
+        # a copy: attention keeps v for backward, and a view would keep the whole qkv output alive with it
+        v = qkv[:, :, :, self.rep + 1].contiguous()
         y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 

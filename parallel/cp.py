@@ -137,6 +137,13 @@ def _future(s):
     return torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
 
 
+def token_major_zeros(q):
+    """A float32 (B, H, T, D) accumulator laid out (B, T, H, D) in memory, as SDPA lays out its output for model.py's
+    queries: the attention's output then flattens into proj's input as a view, with no copy kept for backward."""
+    B, H, T, D = q.shape
+    return torch.zeros(B, T, H, D, dtype=torch.float32, device=q.device).transpose(1, 2)
+
+
 def merge(out, lse, out_b, lse_b):
     """Fold a block's (out_b, lse_b) into the running (out, lse) of the same queries, in place, in float32."""
     new = torch.logaddexp(lse, lse_b)
@@ -191,7 +198,7 @@ class RingAttention(torch.autograd.Function):
         ring = Ring(group)
         with torch.autocast(q.device.type, enabled=False):  # blocks in the activations' dtype, merged in float32
             kv = torch.stack([k, v])  # one message per hop, in the activations' dtype
-            out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            out = token_major_zeros(q)
             lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
             for s in range(ring.size):
                 if s + 1 < ring.size:  # the next block travels while this one is computed
@@ -248,7 +255,7 @@ class AllGatherAttention(torch.autograd.Function):
             gathered = torch.empty((n * 2,) + kv.shape[1:], dtype=kv.dtype, device=kv.device)
             comm.all_gather_single(gathered, kv, group=group)
             gathered = gathered.view(n, *kv.shape)  # rank r's K, V at [r]
-            out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            out = token_major_zeros(q)
             lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
             for s in range(n):  # the ring's order, so the merge rounds alike
                 src = (rank - s) % n
