@@ -96,6 +96,14 @@ class Model:
     n_embd: int = at_least(1)
     block_size: int = at_least(1)
     vocab_size: Optional[int] = at_least(1)
+    n_kv_head: Optional[int] = at_least(1)
+    mlp: str = choice("gelu", "swiglu")
+    ffn_hidden: Optional[int] = at_least(1)
+    ffn_multiple: int = at_least(1)
+    tie_embeddings: bool = MISSING
+    rope_theta: float = above(0)
+    norm_eps: Optional[float] = field(default=None, metadata={"gt": 0})
+    qkv_bias: bool = MISSING
 
 
 @dataclass
@@ -215,7 +223,9 @@ def model_config(cfg, vocab_size):
     """The GPT's shape from cfg.model, with the tokenizer's vocab where model.vocab_size is null."""
     m = cfg.model
     return GPTConfig(vocab_size=m.vocab_size or vocab_size, block_size=m.block_size, n_layer=m.n_layer,
-                     n_head=m.n_head, n_embd=m.n_embd)
+                     n_head=m.n_head, n_embd=m.n_embd, n_kv_head=m.n_kv_head, mlp=m.mlp, ffn_hidden=m.ffn_hidden,
+                     ffn_multiple=m.ffn_multiple, tie_embeddings=m.tie_embeddings, rope_theta=m.rope_theta,
+                     norm_eps=m.norm_eps, qkv_bias=m.qkv_bias)
 
 
 def resolved(p, layout, dtype):
@@ -242,6 +252,9 @@ def check_model(m):
     if (m.n_embd // m.n_head) % 2:
         return (f"model.n_embd / model.n_head = {m.n_embd // m.n_head} channels per head must be even: RoPE rotates "
                 f"them in pairs")
+    if m.n_kv_head and m.n_head % m.n_kv_head:
+        return (f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head}: each key/value head serves an "
+                f"equal group of query heads")
     return None
 
 

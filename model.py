@@ -1,19 +1,36 @@
-"""One readable GPT. It knows nothing of parallelism: strategies in parallel/ act on it from outside.
+"""One readable GPT, GPT-3- or Llama-shaped. It knows nothing of parallelism: strategies in parallel/ act on it from
+outside.
 
 Design choices:
-- RoPE positions (no learned position table), RMSNorm, no biases, causal scaled-dot-product attention.
-- Untied input embedding and output head. Every parameter then belongs to exactly one piece of the
-  model (embedding, a block, or norm + head), which is what FSDP units and tensor-parallel sharding
-  want: the embedding is split by vocab rows for lookup, the head by vocab rows for the loss, and a
-  tied weight would have to live in two FSDP units at once. It costs vocab x n_embd extra parameters.
+- RoPE positions (no learned position table), RMSNorm, causal scaled-dot-product attention, no biases (but q, k, v
+  biases where `qkv_bias`, as Qwen2 has them).
+- Two shapes of block, by settings: GPT-3's (full multi-head attention, a GELU MLP of 4d) and Llama's
+  (grouped-query attention with `n_kv_head` key/value heads shared by n_head / n_kv_head query heads each, a SwiGLU
+  MLP: down(silu(gate(x)) * up(x)), `rope_theta`, `norm_eps`). Presets: conf/model/.
+- q, k and v are one fused matmul (`attn.qkv`), its output rows grouped by key/value head: for each of the n_kv_head
+  groups, its n_head / n_kv_head query heads, then its key head, then its value head (Megatron's layout). A
+  tensor-parallel split of the rows into tp equal pieces then gives each rank whole groups: its query heads with
+  the key and value heads they read (parallel/tp.py). Hugging Face's q_proj, k_proj, v_proj are
+  `qkv.weight.view(n_kv_head, n_head // n_kv_head + 2, head_dim, n_embd)` sliced along dim 1 ([:rep], [rep],
+  [rep + 1]) and flattened; `attn.proj` is o_proj, `mlp.gate/up/down` are gate_proj/up_proj/down_proj.
+- RoPE is Hugging Face Llama's "rotate half": channel i of a head is paired with channel i + head_dim / 2 (not
+  with its neighbour, as the RoPE paper and Meta's original code interleave them), each pair rotated by
+  position x theta^(-2i / head_dim). The tables hold cos and sin over the whole head dim, so a rotation is
+  x * cos + rotate_half(x) * sin with the signs in the sin table: no halves computed apart and concatenated.
+- Untied input embedding and output head by default. Every parameter then belongs to exactly one piece of the
+  model (embedding, a block, or norm + head), which is what FSDP units, pipeline stages and tensor-parallel
+  sharding want. `tie_embeddings=true` (Llama 3.2 1B, Qwen2 0.5B) makes the head's weight the embedding's; the
+  layouts where that weight would live in two places (FSDP units, pipeline stages, tp's embedding and head)
+  refuse it in one line (parallel/layout.py).
 - The vocab is padded to a multiple of 128 so it splits evenly across tensor-parallel ranks and
   matmuls stay aligned; padded logits are never targets, and `generate` masks them out.
 - Buildable on the meta device: `with torch.device("meta"): GPT(cfg)`, then `to_empty(device=...)`
   and `init_weights()`. Nothing in __init__ computes values; init_weights fills every parameter and
-  buffer (the RoPE tables too, since `to_empty` leaves buffers uninitialized).
+  buffer (the RoPE tables too, since `to_empty` leaves buffers uninitialized, and the tie, which it breaks).
 """
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -27,7 +44,14 @@ class GPTConfig:
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128
-    rope_base: float = 10000.0
+    n_kv_head: Optional[int] = None  # key/value heads (grouped-query attention; 1: multi-query); None: n_head
+    mlp: str = "gelu"  # gelu: down(gelu(up(x))) | swiglu: down(silu(gate(x)) * up(x))
+    ffn_hidden: Optional[int] = None  # the MLP's hidden units; None: 4d (gelu), or Llama's rule (swiglu)
+    ffn_multiple: int = 256  # swiglu's hidden units rounded up to a multiple of this (Llama's multiple_of)
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: Optional[float] = None  # None: torch's RMSNorm default, the dtype's machine epsilon
+    qkv_bias: bool = False
     vocab_multiple: int = 128
 
     @property
@@ -39,63 +63,103 @@ class GPTConfig:
     def head_dim(self):
         return self.n_embd // self.n_head
 
+    @property
+    def kv_heads(self):
+        return self.n_kv_head or self.n_head
+
+    @property
+    def hidden(self):
+        """The MLP's width: ffn_hidden, else 4d for GELU, and for SwiGLU Llama's 2/3 of 4d (three matrices instead
+        of two: the same parameters) rounded up to ffn_multiple."""
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        if self.mlp == "gelu":
+            return 4 * self.n_embd
+        m = self.ffn_multiple
+        return (int(8 * self.n_embd / 3) + m - 1) // m * m
+
 
 def rope_tables(cfg, device):
-    """cos/sin of shape (block_size, head_dim/2): rotation angle t * base^(-2i/d) (Su et al., 2021)."""
-    inv_freq = cfg.rope_base ** (-torch.arange(0, cfg.head_dim, 2, device=device, dtype=torch.float32) / cfg.head_dim)
+    """cos and signed sin of shape (block_size, head_dim): rotation angle t * theta^(-2i/d) (Su et al., 2021) for
+    the pair (i, i + d/2), repeated over both halves; sin's first half negated, so that
+    x * cos + rotate_half(x) * sin rotates each pair."""
+    inv_freq = cfg.rope_theta ** (-torch.arange(0, cfg.head_dim, 2, device=device, dtype=torch.float32) / cfg.head_dim)
     angles = torch.outer(torch.arange(cfg.block_size, device=device, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
 def apply_rope(x, cos, sin):
-    # x: (B, H, T, D); rotate pairs (x1, x2) made of the two halves of the head dimension
-    x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # (T, head_dim/2): the tables' rows at x's positions
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    """x: (..., T, H, D); cos, sin: (T, D), the tables' rows at x's positions. Pair (x1, x2) of the two halves
+    becomes (x1 cos - x2 sin, x2 cos + x1 sin): rotate_half(x) = (x2, x1) by a roll, signs from the sin table."""
+    cos, sin = cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]
+    return torch.addcmul(x * cos, x.roll(x.size(-1) // 2, dims=-1), sin)
 
 
 def causal_attention(q, k, v):
-    """Softmax attention of each position to itself and the positions before it; q, k, v: (B, H, T, head_dim)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    """Softmax attention of each position to itself and the positions before it; q: (B, H, T, head_dim), k, v:
+    (B, H_kv, T, head_dim), each key/value head read by H / H_kv query heads in a row."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.size(1) != k.size(1))
+
+
+def fuse_qkv(q, k, v, cfg):
+    """(q, k, v) weights (or biases) in head order -> the fused qkv's rows: per key/value head, its query heads, its
+    key head, its value head. The inverse is unfuse_qkv."""
+    groups = lambda w: w.reshape(cfg.kv_heads, -1, cfg.head_dim, *w.shape[1:])  # (groups, heads, head_dim, ...)
+    return torch.cat([groups(q), groups(k), groups(v)], dim=1).reshape(-1, *q.shape[1:])
+
+
+def unfuse_qkv(w, cfg):
+    """The fused qkv's weight (or bias) -> (q, k, v) in head order (Hugging Face's q_proj, k_proj, v_proj)."""
+    rep = cfg.n_head // cfg.kv_heads
+    g = w.reshape(cfg.kv_heads, rep + 2, cfg.head_dim, *w.shape[1:])
+    return tuple(part.reshape(-1, *w.shape[1:]) for part in g.split((rep, 1, 1), dim=1))
 
 
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
-        # q, k and v are separate so a column-parallel split of each splits whole heads
-        self.q = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
-        self.k = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
-        self.v = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.head_dim, self.rep = cfg.head_dim, cfg.n_head // cfg.kv_heads  # query heads per key/value head
+        # one matmul for q, k and v, rows grouped by key/value head (the module docstring): a contiguous split of
+        # the rows splits whole groups
+        self.qkv = nn.Linear(cfg.n_embd, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         # an attribute, so that a strategy that splits the sequence over ranks can put its own in place (parallel/cp.py)
         self.attend = causal_attention
 
     def forward(self, x, cos, sin):
         B, T, _ = x.shape
-        # -1 rather than self.n_head: under tensor parallelism this rank holds only some heads
-        q, k, v = (lin(x).view(B, T, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = self.attend(q, k, v)
+        # -1 rather than n_kv_head: under tensor parallelism this rank holds only some groups
+        qkv = self.qkv(x).view(B, T, -1, self.rep + 2, self.head_dim)
+        q = apply_rope(qkv[:, :, :, :self.rep], cos[:, None], sin[:, None]).view(B, T, -1, self.head_dim)
+        k = apply_rope(qkv[:, :, :, self.rep], cos, sin)
+        # a copy: attention keeps v for backward, and a view would keep the whole qkv output alive with it
+        v = qkv[:, :, :, self.rep + 1].contiguous()
+        y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
+    """GELU: down(gelu(up(x))). SwiGLU (Shazeer, 2020): down(silu(gate(x)) * up(x))."""
+
     def __init__(self, cfg):
         super().__init__()
-        self.up = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False)
-        self.down = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False)
+        self.gate = nn.Linear(cfg.n_embd, cfg.hidden, bias=False) if cfg.mlp == "swiglu" else None
+        self.up = nn.Linear(cfg.n_embd, cfg.hidden, bias=False)
+        self.down = nn.Linear(cfg.hidden, cfg.n_embd, bias=False)
 
     def forward(self, x):
-        return self.down(F.gelu(self.up(x)))
+        if self.gate is None:
+            return self.down(F.gelu(self.up(x)))
+        return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
 class Block(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.norm1 = nn.RMSNorm(cfg.n_embd)
+        self.norm1 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
-        self.norm2 = nn.RMSNorm(cfg.n_embd)
+        self.norm2 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin):
@@ -109,8 +173,10 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.norm = nn.RMSNorm(cfg.n_embd)
+        self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.head = nn.Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.wte.weight  # one parameter, named wte.weight (named_parameters keeps the first)
         cos, sin = rope_tables(cfg, device=self.wte.weight.device)
         # not persistent: derived from the config, so checkpoints stay weights only
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -127,9 +193,12 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_buffers(self, device=None):
         """The RoPE tables, on `device` when given (a model materialized piece by piece from the meta device has none
-        allocated yet), else where they are."""
+        allocated yet), else where they are; and the tie, which materializing (to_empty, or a strategy's parameter by
+        parameter) breaks: the head gets the embedding's parameter again."""
         cos, sin = rope_tables(self.cfg, device=device or self.rope_cos.device)
         self.rope_cos, self.rope_sin = cos, sin  # registered buffers: assigning replaces them
+        if self.cfg.tie_embeddings:
+            self.head.weight = self.wte.weight
 
     @torch.no_grad()
     def init_param(self, name, p):
@@ -137,6 +206,16 @@ class GPT(nn.Module):
         values whether the model is initialized whole or one piece at a time (sharded meta-device init)."""
         if "norm" in name:
             nn.init.ones_(p)
+        elif name.endswith("bias"):
+            nn.init.zeros_(p)
+        elif name.endswith("qkv.weight"):
+            # drawn as q, then k, then v (as three separate matrices would be), then laid out in groups
+            c = self.cfg
+            q, k, v = (torch.empty(n * c.head_dim, c.n_embd, dtype=p.dtype, device=p.device)
+                       for n in (c.n_head, c.kv_heads, c.kv_heads))
+            for w in (q, k, v):
+                nn.init.normal_(w, std=0.02)
+            p.copy_(fuse_qkv(q, k, v, c))
         elif name.endswith(("proj.weight", "down.weight")):
             nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.cfg.n_layer))
         else:
@@ -166,13 +245,16 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
     def num_params(self, exclude_embedding=False):
+        """Parameters (a tied weight once); `exclude_embedding`: those that take part in a matmul, all but an untied
+        embedding (a lookup; tied, it is the head's matrix too)."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.wte.weight.numel() if exclude_embedding else n
+        return n - self.wte.weight.numel() if exclude_embedding and not self.cfg.tie_embeddings else n
 
     def flops_per_token(self, seq_len):
         """Training FLOPs per token: 6N for the matmuls of forward + backward (N = parameters that take part in a
-        matmul; the embedding is a lookup, so it is left out) plus 12*L*H*Q*T for attention scores and their
-        weighted sum (PaLM paper, appendix B). Causal masking's savings are not subtracted, as is customary."""
+        matmul) plus 12*L*H*Q*T for attention scores and their weighted sum (PaLM paper, appendix B; H the query
+        heads: grouped-query attention shares keys and values, not the scores). Causal masking's savings are not
+        subtracted, as is customary."""
         c = self.cfg
         return 6 * self.num_params(exclude_embedding=True) + 12 * c.n_layer * c.n_head * c.head_dim * seq_len
 

@@ -27,8 +27,10 @@ def load(path, device="cpu"):
                          f"({type(e).__name__}: {e})") from None
     with torch.device("meta"):
         model = GPT(GPTConfig(**meta["model"]))
+    if model.cfg.tie_embeddings:  # the file holds the one weight once, as wte.weight; the head is that weight
+        weights["head.weight"] = weights.get("wte.weight")
     model.load_state_dict(weights, assign=True)  # every parameter, exactly: a missing or extra one is an error
-    model.init_buffers(device)
+    model.init_buffers(device)  # the RoPE tables, and the tie again (assign=True gave the head its own Parameter)
     return model.eval(), tokenizer.from_spec(meta["tokenizer"]), meta
 
 

@@ -32,7 +32,10 @@ tokens. Attention needs every earlier token's key and value, and that is all tha
   the all-gather keeps the whole sequence's K, V in every layer for backward. Each block runs in a fused attention
   kernel that returns its log-sum-exp (on a CPU aten's flash kernel, forward and backward, in the activations'
   dtype): tiles, never a (2C)^2 scores tensor; the partial outputs merge in float32.
-  Communication per layer and step (bytes of K and V of one rank, kv = 2 B (T/cp) d x element size):
+  Only K and V travel, with their own n_kv_head heads (grouped-query attention: n_head / n_kv_head fewer bytes than
+  full multi-head attention's; each block's kernel reads each key/value head for its query heads).
+  Communication per layer and step (bytes of K and V of one rank, kv = 2 B (T/cp) d_kv x element size, d_kv =
+  n_kv_head x head_dim):
     ring       forward (cp - 1) hops of kv; backward (cp - 1) of kv and (cp - 1) of dK, dV (float32). Each hop is a
                send and a receive; parallel/comm.py counts both, as p2p on the "cp" dimension.
     all-gather forward one all-gather of K, V (its output: cp x kv); backward one reduce-scatter (its input: cp x kv).
@@ -99,7 +102,8 @@ def attention_block(q, k, v, causal):
     if fused(q):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
         return out.float(), lse
-    q, k, v = q.float(), k.float(), v.float()
+    rep = q.size(1) // k.size(1)  # grouped-query attention: each key/value head serves rep query heads in a row
+    q, k, v = q.float(), k.float().repeat_interleave(rep, 1), v.float().repeat_interleave(rep, 1)
     s = (q @ k.transpose(-2, -1)) * q.size(-1) ** -0.5
     if causal:
         s = s.masked_fill(_future(s), float("-inf"))
@@ -114,7 +118,9 @@ def attention_block_backward(q, k, v, out, dout, lse, causal):
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0,
                                                                                    causal)
         return tuple(g.float() for g in grads)
-    q, k, v, out, dout = q.float(), k.float(), v.float(), out.float(), dout.float()
+    B, H_kv, rep = k.size(0), k.size(1), q.size(1) // k.size(1)
+    q, out, dout = q.float(), out.float(), dout.float()
+    k, v = k.float().repeat_interleave(rep, 1), v.float().repeat_interleave(rep, 1)
     scale = q.size(-1) ** -0.5
     s = (q @ k.transpose(-2, -1)) * scale
     if causal:
@@ -122,11 +128,20 @@ def attention_block_backward(q, k, v, out, dout, lse, causal):
     p = (s - lse[..., None]).exp()
     delta = (dout * out).sum(-1)
     ds = p * (dout @ v.transpose(-2, -1) - delta[..., None])
-    return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, p.transpose(-2, -1) @ dout
+    dk, dv = (ds.transpose(-2, -1) @ q) * scale, p.transpose(-2, -1) @ dout
+    group = lambda g: g.view(B, H_kv, rep, *g.shape[2:]).sum(2)  # each key/value head's query heads' parts summed
+    return (ds @ k) * scale, group(dk), group(dv)
 
 
 def _future(s):
     return torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
+
+
+def token_major_zeros(q):
+    """A float32 (B, H, T, D) accumulator laid out (B, T, H, D) in memory, as SDPA lays out its output for model.py's
+    queries: the attention's output then flattens into proj's input as a view, with no copy kept for backward."""
+    B, H, T, D = q.shape
+    return torch.zeros(B, T, H, D, dtype=torch.float32, device=q.device).transpose(1, 2)
 
 
 def merge(out, lse, out_b, lse_b):
@@ -183,7 +198,7 @@ class RingAttention(torch.autograd.Function):
         ring = Ring(group)
         with torch.autocast(q.device.type, enabled=False):  # blocks in the activations' dtype, merged in float32
             kv = torch.stack([k, v])  # one message per hop, in the activations' dtype
-            out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            out = token_major_zeros(q)
             lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
             for s in range(ring.size):
                 if s + 1 < ring.size:  # the next block travels while this one is computed
@@ -240,7 +255,7 @@ class AllGatherAttention(torch.autograd.Function):
             gathered = torch.empty((n * 2,) + kv.shape[1:], dtype=kv.dtype, device=kv.device)
             comm.all_gather_single(gathered, kv, group=group)
             gathered = gathered.view(n, *kv.shape)  # rank r's K, V at [r]
-            out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            out = token_major_zeros(q)
             lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
             for s in range(n):  # the ring's order, so the merge rounds alike
                 src = (rank - s) % n

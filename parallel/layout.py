@@ -217,7 +217,8 @@ class Layout:
         train.dtype resolved; `bf16`: whether the device computes in bfloat16 (`cpu_bf16`: whether the CPU can)."""
         for rule in (self._degrees_problem(p), self._strategy_problem(p, dtype, compile_),
                      self._tp_problem(p, model, seq_len, compile_), self._cp_problem(p, seq_len, compile_),
-                     self._fsdp_problem(p, model, cpu_bf16), self._dtype_problem(p, dtype, bf16)):
+                     self._fsdp_problem(p, model, cpu_bf16), self._dtype_problem(p, dtype, bf16),
+                     self._tie_problem(model)):
             if rule:
                 return rule
         if global_batch is None:
@@ -287,11 +288,14 @@ class Layout:
         tp = self.tp
         if tp == 1:
             return None
-        for n, what in ((model.n_head, "attention heads (model.n_head)"),
-                        (4 * model.n_embd, "MLP hidden units (4 x model.n_embd)"),
-                        (model.padded_vocab_size, "padded vocabulary entries")):
+        share = "each tp rank holds an equal share"
+        for n, what, why in ((model.n_head, "attention heads (model.n_head)", share),
+                             (model.kv_heads, "key/value heads (model.n_kv_head)", "each tp rank holds whole groups "
+                              "of query heads with their key/value head (none is replicated)"),
+                             (model.hidden, "MLP hidden units (model.ffn_hidden, or its default)", share),
+                             (model.padded_vocab_size, "padded vocabulary entries", share)):
             if n % tp:
-                return f"parallel.tp={tp} must divide the model's {n} {what}: each tp rank holds an equal share"
+                return f"parallel.tp={tp} must divide the model's {n} {what}: {why}"
         for length, key in ((seq_len, "train.seq_len"), (model.block_size, "model.block_size")):
             if p.sequence_parallel and length % tp:
                 return (f"parallel.sequence_parallel=true splits each sequence over the {tp} tp ranks, but "
@@ -342,6 +346,23 @@ class Layout:
             return ("parallel.cpu_offload=true casts the CPU-held shards to param_dtype=bfloat16 on the CPU, which "
                     "this CPU can't do; use parallel.param_dtype=float32")
         return None
+
+    def _tie_problem(self, model):
+        """A tied embedding is one parameter used at both ends of the model: fine wherever every rank holds the
+        whole model (single, DDP, ZeRO-1/2 ours, context parallel), refused where the two ends would hold it apart."""
+        if not model.tie_embeddings:
+            return None
+        where = ("parallel.pp={} puts the embedding on the first pipeline stage and the head on the last".format(
+            self.pp) if self.pp > 1 else
+            f"parallel.tp={self.tp} splits the embedding (vocab-parallel lookup) and the head (vocab-parallel "
+            f"logits) apart" if self.tp > 1 else
+            "FSDP gathers the embedding and the head in two units" if self.strategy == "fsdp" else
+            "torch's ZeRO-2 twin (FSDP2) shards the embedding and the head in two units"
+            if self.strategy == "zero2" and self.impl == "torch" else None)
+        if where is None:
+            return None
+        return (f"model.tie_embeddings=true: {where}, and one weight can't live in two places; use "
+                f"model.tie_embeddings=false, or parallel=ddp or zero1/zero2 (impl=scratch)")
 
     def _dtype_problem(self, p, dtype, bf16):
         if self.working_dtype(p.param_dtype, dtype) == "bfloat16" and not bf16:

@@ -3,8 +3,11 @@
 Shoeybi et al., 2019, "Megatron-LM"; Korthikanti et al., 2022, "Reducing Activation Recomputation in Large
 Transformer Models" (sequence parallelism). `tp` ranks share every layer: each holds 1/tp of every matrix.
 
-  attention   q, k, v column-parallel (each rank computes its own heads), proj row-parallel
-  MLP         up column-parallel (a slice of the hidden units), down row-parallel
+  attention   the fused qkv column-parallel: its rows are grouped by key/value head (model.py), so each rank gets
+              whole groups, n_kv_head / tp key/value heads with the query heads that read them (grouped-query
+              attention: tp must divide n_kv_head, refused in one line otherwise; no key/value head is
+              replicated); proj row-parallel
+  MLP         up (and SwiGLU's gate) column-parallel (a slice of the hidden units), down row-parallel
   embedding   vocab-parallel: rank r holds rows [r V/tp, (r+1) V/tp); a lookup outside them gives zeros, and the
               all-reduce of the partial results is the full embedding
   head + loss column-parallel over the vocab; the cross-entropy is computed from the local logits with three
@@ -15,9 +18,8 @@ A column-parallel layer followed by a row-parallel one needs its input replicate
 Megatron's two conjugate operators make that exact with one all-reduce each way per pair:
   f: identity in forward, all-reduce of the input gradient in backward   (before the column-parallel layers)
   g: all-reduce in forward, identity in backward                          (after the row-parallel layer)
-so every transformer layer costs 2 all-reduces of a (batch, seq, d) activation in forward and 2 in backward. q, k
-and v share one f (a hook on the attention module's input), so their three input gradients are summed locally
-before the single all-reduce.
+so every transformer layer costs 2 all-reduces of a (batch, seq, d) activation in forward and 2 in backward. The
+fused qkv's one matmul has one f (a hook on the attention module's input), as SwiGLU's gate and up share the MLP's.
 
 Sequence parallel (`sequence_parallel=true`): between the layers the activations are split along the sequence, so
 the norms and residual adds work on T/tp positions and store 1/tp of those activations. f becomes an all-gather
@@ -25,7 +27,9 @@ along the sequence (reduce-scatter in backward) and g a reduce-scatter (all-gath
 becomes an all-gather plus a reduce-scatter, the same volume. The norm gains then see only their rank's positions,
 so their gradients are summed over the tp ranks once per step (`sync_replicated_grads`).
 
-Per rank, parameters are (2 V d + 12 L d^2) / tp + (2L + 1) d (the norm gains): the model state shrinks by tp.
+Per rank, parameters are (every matrix and the q, k, v biases) / tp + (2L + 1) d (the norm gains): the model state
+shrinks by tp. A tied embedding is refused beside tp (parallel/layout.py): the vocab-parallel embedding and the head
+would each hold the one weight.
 
 Applied to a model built on the meta device: `shard` swaps each parameter for a meta tensor of its local shape and
 returns the init function that fills a local shard by initializing the full parameter and keeping its slice, so
@@ -41,7 +45,7 @@ import torch.nn.functional as F
 from parallel import comm
 from parallel.strategy import TensorParallel, materialize
 
-COLUMN = ("attn.q.weight", "attn.k.weight", "attn.v.weight", "mlp.up.weight", "head.weight", "wte.weight")
+COLUMN = ("attn.qkv.weight", "attn.qkv.bias", "mlp.gate.weight", "mlp.up.weight", "head.weight", "wte.weight")
 ROW = ("attn.proj.weight", "mlp.down.weight")
 
 
@@ -183,17 +187,18 @@ def shard(model, group, sequence_parallel=False):
         d = shard_dim(name)
         if d is None:
             continue
-        module = model.get_submodule(name.rsplit(".", 1)[0])
+        path, leaf = name.rsplit(".", 1)
+        module = model.get_submodule(path)
         shape = list(p.shape)
         shape[d] //= n
-        module.weight = nn.Parameter(torch.empty(shape, device=p.device, dtype=p.dtype))
-        if isinstance(module, nn.Linear):
+        setattr(module, leaf, nn.Parameter(torch.empty(shape, device=p.device, dtype=p.dtype)))
+        if isinstance(module, nn.Linear) and leaf == "weight":
             module.out_features, module.in_features = shape
     vocab_lo = r * model.cfg.padded_vocab_size // n  # this rank's first row of the embedding and the head
     if model.wte is not None:  # a pipeline stage has the embedding only if it is the first (parallel/pp.py)
         model.wte = VocabParallelEmbedding(model.wte.weight, vocab_lo, group, sequence_parallel)
 
-    # one f before each column-parallel group (attention: q, k, v; MLP: up; head) and one g after each row-parallel
+    # one f before each column-parallel group (attention: qkv; MLP: up and gate; head) and one g after each row-parallel
     # layer; positional args only, as model.py calls them
     for block in model.blocks:
         for m in (block.attn, block.mlp):
@@ -326,13 +331,15 @@ def apply_torch_tp(model, mesh, p, device):
             "head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)}
     for i in range(len(model.blocks)):
         b = f"blocks.{i}."
-        # one DTensor input per attention / MLP, so q, k and v's input gradients are summed before one all-reduce
+        # one DTensor input per attention / MLP, so gate and up's input gradients are summed before one all-reduce
         plan[b + "attn"] = PrepareModuleInput(input_layouts=(seq, None, None),
                                               desired_input_layouts=(Replicate(), None, None))
         plan[b + "mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
-        plan.update({b + f"attn.{n}": ColwiseParallel() for n in ("q", "k", "v")})
-        plan.update({b + "attn.proj": RowwiseParallel(output_layouts=seq), b + "mlp.up": ColwiseParallel(),
-                     b + "mlp.down": RowwiseParallel(output_layouts=seq)})
+        # the fused qkv's Shard(0) is a contiguous split of its rows: whole key/value groups (model.py)
+        plan.update({b + "attn.qkv": ColwiseParallel(), b + "attn.proj": RowwiseParallel(output_layouts=seq),
+                     b + "mlp.up": ColwiseParallel(), b + "mlp.down": RowwiseParallel(output_layouts=seq)})
+        if model.blocks[i].mlp.gate is not None:
+            plan[b + "mlp.gate"] = ColwiseParallel()
         if sequence_parallel:
             plan.update({b + "norm1": SequenceParallel(), b + "norm2": SequenceParallel()})
     if sequence_parallel:

@@ -83,12 +83,14 @@ def test_equal_to_single(runs, single, case):
 
 
 # --- the ring's attention against plain causal attention, forward and backward, on forked ranks
-def _ring_worker(method, T=32):
+def _ring_worker(method, T=32, heads=(3, 3), dtype=torch.float32):
+    """`heads`: query and key/value heads (grouped-query attention where they differ); float64 takes the blocks'
+    written-out math instead of the fused CPU kernel."""
     from model import causal_attention
     dist.init_process_group("gloo")
     n, r = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 3, T, 8, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(2, h, T, 8, dtype=dtype, requires_grad=True) for h in (heads[0], heads[1], heads[1]))
     y = causal_attention(q, k, v)
     dy = torch.randn_like(y)
     y.backward(dy)
@@ -105,6 +107,14 @@ def _ring_worker(method, T=32):
 @pytest.mark.parametrize("method", ["ring", "allgather"])
 def test_attention_equals_causal(method, world):
     forked(world, lambda: _ring_worker(method))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("method", ["ring", "allgather"])
+def test_gqa_attention_equals_causal(method, dtype):
+    """4 query heads on 2 key/value heads: the blocks read each key/value head for its query heads, and its
+    gradient sums theirs."""
+    forked(2, lambda: _ring_worker(method, heads=(4, 2), dtype=dtype))
 
 
 @pytest.mark.quick

@@ -72,6 +72,31 @@ def test_70b_at_world_512(strategy):
     assert_planner_equals(m, predicted)
 
 
+# Llama 3 70B's shape (conf/model/llama3_70b.yaml: GQA 64/8 heads, SwiGLU of 28672, vocab 128256) at world 512
+LLAMA_70B = ["model=llama3_70b", "dry_run.world=512", "train.seq_len=256", "train.micro_batch_size=1",
+             "dry_run.steps=1", "dry_run.compute=fake"]
+
+
+@pytest.mark.parametrize("name,overrides,rank", [
+    ("fsdp_tp", ["parallel=fsdp", "parallel.tp=8", "parallel.sequence_parallel=true", "train.global_batch_size=64"],
+     3),
+    # 8 stages of 10 blocks x FSDP over 8 x tp 8, as rank 3: the first stage (the embedding, no head)
+    ("pp_fsdp_tp", ["parallel=pp", "parallel.pp=8", "parallel.data=fsdp", "parallel.tp=8",
+                    "train.global_batch_size=64"], 3)])
+def test_llama_70b_at_world_512(name, overrides, rank):
+    """70.6B parameters as one rank of 512: the planner's state and communication by (mesh dimension, collective)
+    within 1% of what the rank measures, its key/value heads split over tp (1 of 8 each), SwiGLU's gate and up
+    column-parallel; under pp, the first stage's share."""
+    m, predicted = dry(*LLAMA_70B, *overrides, rank=rank)
+    assert m["compute"] == "fake" and m["world_size"] == 512 and m["dims"]["tp"] == 8
+    if name == "pp_fsdp_tp":
+        assert m["dims"]["pp"] == 8 and predicted["stage"]["n_layer"] == 10
+        predicted = predicted["pp_ranks"][0]
+    else:
+        assert m["n_params"] > 70e9
+    assert_planner_equals(m, predicted)
+
+
 # context parallel and HSDP at world 64: fsdp_cp over cp=4 at a long sequence (each rank 1024 of every 4096 tokens),
 # ring and all-gather, and HSDP as 8 replicas of 8 shards. gpt_1p3b's width at 4 blocks: a fake step costs its op
 # count, and the ring's hops are many small ops per block

@@ -71,3 +71,80 @@ def test_generate_never_emits_padding_ids():
         model.head.weight[300:] = 10.0  # make padding logits the largest
     out = model.generate(torch.zeros(2, 1, dtype=torch.long), 20)
     assert out.shape == (2, 21) and out.max() < 300
+
+
+def llama(**kw):
+    return tiny(**{"n_head": 4, "n_kv_head": 2, "mlp": "swiglu", "ffn_hidden": 96, "qkv_bias": True,
+                   "rope_theta": 500000.0, "norm_eps": 1e-5, **kw})
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_llama_meta_init_matches_eager(tied):
+    """GQA + SwiGLU + q/k/v biases, tied or not: built on meta and materialized gives the eager model's values, and
+    a tied head is the embedding's very parameter again (to_empty breaks the tie; init_weights restores it)."""
+    eager = GPT(llama(tie_embeddings=tied))
+    torch.manual_seed(0)
+    eager.init_weights()
+    with torch.device("meta"):
+        lazy = GPT(llama(tie_embeddings=tied))
+    lazy.to_empty(device="cpu")
+    torch.manual_seed(0)
+    lazy.init_weights()
+    assert (lazy.head.weight is lazy.wte.weight) == tied
+    for (n1, p1), (n2, p2) in zip(eager.named_parameters(), lazy.named_parameters(), strict=True):
+        assert n1 == n2
+        torch.testing.assert_close(p1, p2, rtol=0, atol=0)
+    V, d, L, f, kv = 384, 32, 2, 96, 2 * 8  # 2 key/value heads of 32 / 4 = 8 channels
+    assert lazy.num_params() == (1 if tied else 2) * V * d + L * (2 * d * d + 2 * d * kv + d + 2 * kv + 3 * d * f +
+                                                                  2 * d) + d
+
+
+def test_attention_is_hugging_face_llamas():
+    """Our fused, grouped qkv and rotate-half RoPE against Hugging Face Llama's attention written out: q_proj, k_proj,
+    v_proj from model.unfuse_qkv, cos/sin of the two halves concatenated, rotate_half, each key/value head repeated
+    for its query heads."""
+    from model import apply_rope, unfuse_qkv
+    cfg = llama()
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    model.init_weights()
+    attn, B, T, H, D = model.blocks[0].attn, 2, 7, cfg.n_head, cfg.head_dim
+    x = torch.randn(B, T, cfg.n_embd)
+    (wq, wk, wv), (bq, bk, bv) = unfuse_qkv(attn.qkv.weight, cfg), unfuse_qkv(attn.qkv.bias, cfg)
+    q, k, v = ((x @ w.T + b).view(B, T, -1, D).transpose(1, 2) for w, b in ((wq, bq), (wk, bk), (wv, bv)))
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2).float() / D))
+    emb = torch.cat([torch.outer(torch.arange(T).float(), inv_freq)] * 2, dim=-1)  # HF's LlamaRotaryEmbedding
+
+    def rotate_half(t):
+        return torch.cat((-t[..., D // 2:], t[..., :D // 2]), dim=-1)
+    q, k = (t * emb.cos() + rotate_half(t) * emb.sin() for t in (q, k))
+    rep = H // cfg.kv_heads
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)  # HF's repeat_kv
+    y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    want = attn.proj(y.transpose(1, 2).reshape(B, T, -1))
+    cos, sin = model.rope(T)
+    torch.testing.assert_close(attn(x, cos, sin), want, rtol=1e-5, atol=1e-6)
+    assert apply_rope is not None
+
+
+def test_default_model_draws_as_before():
+    """GPT-3's block with the fused qkv draws q, k and v as the three separate matrices it replaced did: the same
+    seed gives the same q, k, v (and every other parameter) as before the fusion."""
+    from model import unfuse_qkv
+    cfg = tiny()
+    model = GPT(cfg)
+    torch.manual_seed(0)
+    model.init_weights()
+    torch.manual_seed(0)
+    torch.nn.init.normal_(torch.empty(cfg.padded_vocab_size, cfg.n_embd))  # wte, then blocks.0.norm1 (no draw)
+    for got, n in zip(unfuse_qkv(model.blocks[0].attn.qkv.weight, cfg), ("q", "k", "v")):
+        want = torch.nn.init.normal_(torch.empty(cfg.n_embd, cfg.n_embd), std=0.02)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_model_bench_runs():
+    """tools/model_bench.py, ours against the plain GPT-2, at a toy size: it runs and reports a ratio."""
+    from tools import model_bench
+    rows = model_bench.main(["--shapes", "2x64", "--modes", "eager", "--reps", "1", "--steps", "1", "--warmup", "1",
+                             "--seq", "32", "--batch", "2", "--vocab", "256"])
+    assert len(rows) == 1 and rows[0][4] > 0

@@ -125,20 +125,27 @@ def test_parameter_formula(n_layer, n_embd, vocab):
     assert plan.params_per_rank(shape, 4) == (2 * V * d + 12 * L * d * d) / 4 + (2 * L + 1) * d
 
 
-def saved_for_backward(ac, n_layer=3, d=64, heads=4, vocab=256, b=2, s=32):
+LLAMA = {"n_kv_head": 1, "mlp": "swiglu", "ffn_hidden": 256}  # 4 query heads on 1 key/value head, SwiGLU of 4d
+
+
+def saved_for_backward(ac, n_layer=3, d=64, heads=4, vocab=256, b=2, s=32, **llama):
     """Bytes of the distinct storages autograd keeps for backward (parameters and buffers left out)."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=vocab, block_size=s, n_layer=n_layer, n_head=heads, n_embd=d))
+    model = GPT(GPTConfig(vocab_size=vocab, block_size=s, n_layer=n_layer, n_head=heads, n_embd=d, **llama))
     model.init_weights()
     parallel.apply_activation_checkpointing(model, ac)
     kept, _ = cp_memory.saved_bytes(model, torch.randint(0, vocab, (b, s)), torch.randint(0, vocab, (b, s)))
-    shape = {"n_layer": n_layer, "n_embd": d, "vocab": model.cfg.padded_vocab_size}
+    c = model.cfg
+    shape = {"n_layer": n_layer, "n_embd": d, "vocab": c.padded_vocab_size}
+    if llama:  # model_shape's keys that tell Llama's block from GPT-3's
+        shape.update(kv_embd=c.kv_heads * c.head_dim, hidden=c.hidden, mlp=c.mlp)
     return kept, shape
 
 
+@pytest.mark.parametrize("llama", [{}, LLAMA], ids=["gpt", "llama"])
 @pytest.mark.parametrize("ac", ["none", "full"])
-def test_activation_count_equals_autograd(ac):
-    measured, shape = saved_for_backward(ac)
+def test_activation_count_equals_autograd(ac, llama):
+    measured, shape = saved_for_backward(ac, **llama)
     kept, _ = plan.activation_bytes(shape, 2, 32, 4, checkpointed=plan.checkpointed_fraction(ac, 3))
     assert measured == pytest.approx(kept, rel=0.05)
 

@@ -55,7 +55,7 @@ import torch
 import config
 from parallel.layout import DATA_STRATEGIES, Layout
 from data import prepare
-from model import GPT, GPTConfig
+from model import GPT
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -96,17 +96,29 @@ def model_shape(cfg):
     """The configured GPT's shape, its exact parameter count and its training FLOPs per token (model.py's formula),
     from the model itself built on the meta device (no memory)."""
     m = cfg.model
-    vocab = m.vocab_size or prepare.vocab_size(cfg.data)  # null: the tokenizer's, as train.py does
-    with torch.device("meta"):
-        gpt = GPT(GPTConfig(vocab_size=vocab, block_size=m.block_size, n_layer=m.n_layer, n_head=m.n_head,
-                            n_embd=m.n_embd))
-    return {"n_layer": m.n_layer, "n_embd": m.n_embd, "n_head": m.n_head, "vocab": gpt.cfg.padded_vocab_size,
-            "n_params": gpt.num_params(), "flops_per_token": gpt.flops_per_token(cfg.train.seq_len)}
+    with torch.device("meta"):  # model.vocab_size null: the tokenizer's, as train.py does
+        gpt = GPT(config.model_config(cfg, prepare.vocab_size(cfg.data)))
+    c = gpt.cfg
+    return {"n_layer": m.n_layer, "n_embd": m.n_embd, "n_head": m.n_head, "vocab": c.padded_vocab_size,
+            "n_params": gpt.num_params(), "flops_per_token": gpt.flops_per_token(cfg.train.seq_len),
+            # grouped-query attention's key/value width, the MLP's, and one block's parameters
+            "kv_embd": c.kv_heads * c.head_dim, "hidden": c.hidden, "mlp": c.mlp, "tied": c.tie_embeddings,
+            "block_params": sum(p.numel() for p in gpt.blocks[0].parameters()) if m.n_layer else 0}
+
+
+def dims(shape):
+    """(d, key/value width, MLP hidden units, wide tensors the MLP keeps for backward, one block's parameters) of a
+    shape; a shape written without them (tests, tools) is GPT-3's block: full attention, a GELU MLP of 4d."""
+    d = shape["n_embd"]
+    hidden = shape.get("hidden", 4 * d)
+    wide = 4 if shape.get("mlp", "gelu") == "swiglu" else 2
+    return d, shape.get("kv_embd", d), hidden, wide, shape.get("block_params", 12 * d * d + 2 * d)
 
 
 def params_per_rank(shape, tp):
     """P = 2 V d (embedding, untied head) + L (12 d^2 + 2 d) (q, k, v, proj d x d; up d x 4d, down 4d x d; two norm
-    gains) + d (final norm). Tensor parallelism splits every matrix over tp ranks (heads, MLP columns, vocab rows)
+    gains) + d (final norm), for GPT-3's block; Llama's: L (2 d^2 + 2 d d_kv + 3 d f + 2 d) with d_kv the key/value
+    width and f SwiGLU's hidden units (model_shape counts the model itself). Tensor parallelism splits every matrix over tp ranks (heads, MLP columns, vocab rows)
     and keeps the (2L + 1) d norm gains whole on each. A pipeline stage's shape (pp_stages): its L blocks, and the
     final norm only on the last stage."""
     replicated = (2 * shape["n_layer"] + shape.get("last", True)) * shape["n_embd"]
@@ -253,16 +265,21 @@ def activation_bytes(shape, micro, seq, act_bytes, tp=1, sequence_parallel=False
     """Bytes autograd keeps for backward, one micro-batch (only one is alive at a time), counted in our Block
     (tests/test_plan.py checks the count on CPU against what autograd saves):
       each RMSNorm: its input, the normalized input and the output (3 b s d); two per block, one at the end
-      attention: q and k after RoPE, v, the output, the proj input (5 b s d); MLP: up's and GELU's outputs (8 b s d)
+      attention: q and k after RoPE, v, the output, which is the proj input too (a view: the kernel writes it in
+      the token-major order the fused qkv's views give it) (2 b s d + 2 b s d_kv: 4 b s d without grouped-query
+      attention); MLP, f hidden units: GELU's up's and GELU's outputs (2 b s f: 8 b s d), SwiGLU's four wide
+      tensors (4 b s f): gate's output (silu's input), silu's and up's outputs (the product's operands), the product
+      (down's input)
       the loss: log-softmax of the logits, fp32 (b s V)
     Tensor parallelism splits attention, MLP and logits over tp; the norms' tensors are whole on every rank unless
     sequence parallelism splits them too. A checkpointed block keeps only its input (the fp32 residual stream) and
     is recomputed in backward, one at a time. Attention is flash-style (no s x s scores). Under autocast some
     tensors are fp32 and some kept in both dtypes: there it is an estimate. Returns (kept, recomputed at once)."""
-    L, d, V = shape["n_layer"], shape["n_embd"], shape["vocab"]
+    L, V = shape["n_layer"], shape["vocab"]
+    d, kv, hidden, wide, _ = dims(shape)
     u = micro * seq * d
     norm_split = tp if sequence_parallel else 1
-    block = (6 / norm_split + 13 / tp) * u * act_bytes
+    block = (6 * d / norm_split + (2 * d + 2 * kv + wide * hidden) / tp) * micro * seq * act_bytes
     end = (3 * u * act_bytes / norm_split + micro * seq * V * 4 / tp) * shape.get("last", True)  # pp: last stage
     n_ckpt = round(checkpointed * L)
     return (L - n_ckpt) * block + n_ckpt * u * 4 / norm_split + end, block if n_ckpt else 0
@@ -276,7 +293,7 @@ def cp_activation_bytes(shape, micro, seq, act_bytes, cp, method, tp=1, sequence
     kept, recompute = activation_bytes(shape, micro, seq // cp, act_bytes, tp, sequence_parallel, checkpointed)
     if method == "allgather" and cp > 1:
         L = shape["n_layer"]
-        extra = 2 * micro * (seq - seq // cp) * shape["n_embd"] / tp * act_bytes
+        extra = 2 * micro * (seq - seq // cp) * dims(shape)[1] / tp * act_bytes
         n_ckpt = round(checkpointed * L)
         kept += (L - n_ckpt) * extra
         recompute += extra if n_ckpt else 0
@@ -285,13 +302,14 @@ def cp_activation_bytes(shape, micro, seq, act_bytes, cp, method, tp=1, sequence
 
 def cp_comm_bytes(shape, micro, seq, act_bytes, accum, cp, method, tp=1, checkpointed=0.0):
     """K and V over the "cp" dimension per optimizer step, as parallel/comm.py counts them. One rank's K and V of
-    one micro-batch at one layer: kv = 2 b (seq/cp) (d/tp) act_bytes; their gradients travel in float32.
+    one micro-batch at one layer: kv = 2 b (seq/cp) (d_kv/tp) act_bytes, d_kv the key/value heads' width (d, or
+    d n_kv_head / n_head under grouped-query attention); their gradients travel in float32.
       ring       per layer: forward (cp - 1) hops of kv, backward (cp - 1) of kv and of dK, dV; a hop is a send and
                  a receive, both counted (p2p)
       all-gather per layer: one all-gather (output cp x kv) and one reduce-scatter (input cp x kv, float32)
     A checkpointed layer runs its forward, and its communication, twice."""
     L = shape["n_layer"]
-    tokens = micro * (seq // cp) * shape["n_embd"] / tp
+    tokens = micro * (seq // cp) * dims(shape)[1] / tp
     kv, dkv = 2 * tokens * act_bytes, 2 * tokens * 4
     layers = accum * L
     c = Counter()
@@ -324,8 +342,8 @@ def transient_bytes(layout, shape, P, accum, knobs):
     the larger of the two, as parallel/zero.py measures it (buffers of a bucket or two in reduction left out)."""
     strategy, tp = layout.strategy, layout.tp
     if strategy == "fsdp":  # HSDP: the same (its reduced slices in the all-reduce left out, as the reduce-scatters')
-        d = shape["n_embd"]  # a pipeline stage without the embedding or the head: its largest unit is a block
-        unit = (shape["vocab"] * d if shape.get("first", True) or shape.get("last", True) else 12 * d * d + 2 * d) / tp
+        d, block = shape["n_embd"], dims(shape)[4]  # a stage without the embedding or the head: its largest unit a block
+        unit = (shape["vocab"] * d if shape.get("first", True) or shape.get("last", True) else block) / tp
         pb, rb = DTYPE_BYTES[knobs["param_dtype"]], DTYPE_BYTES[knobs["reduce_dtype"]]
         gathered = (1 + knobs["prefetch"]) * unit if knobs["reshard_after_forward"] else P
         if accum > 1:  # every unit's gradient sum, kept between micro-steps (the last one reduce-scatters those)
@@ -415,7 +433,7 @@ def step_time(layout, shape, accum, micro, seq, comm, knobs, checkpointed, plan,
     if cp > 1 and cp_method == "ring":
         L, chunk = shape["n_layer"], seq // (2 * cp)
         block = 4 * micro * (shape["n_embd"] / tp) * 2 * chunk * chunk / rate  # QK^T and PV of a 2C x C block
-        tokens = micro * 2 * chunk * shape["n_embd"] / tp
+        tokens = micro * 2 * chunk * dims(shape)[1] / tp  # K and V: the key/value heads
         hop = 2 * tokens * act_bytes / link["cp"]
         hop_grad = 2 * tokens * 4 / link["cp"]
         exposed_cp = accum * L * (cp - 1) * ((1 + checkpointed) * max(0.0, hop - block)
@@ -453,7 +471,7 @@ def pp_stages(shape, pp, v=1):
     activation forward and its gradient back."""
     from parallel import pp as pipeline
     L, d, V = shape["n_layer"], shape["n_embd"], shape["vocab"]
-    n, block = pp * v, 12 * d * d + 2 * d
+    n, block = pp * v, dims(shape)[4]
     attention = (shape["flops_per_token"] - 6 * (shape["n_params"] - V * d)) / L  # per block (model.py)
     ranges = pipeline.split_blocks(L, n)
     out = []
