@@ -179,10 +179,11 @@ def compute_mode(compute):
 
 class SavedBytes:
     """The bytes autograd saves for backward during the first forward of the module after `arm()`: distinct storages,
-    parameters and views of them left out (they are model state, or FSDP's gathered units)."""
+    parameters, buffers and views of them left out (they are model state, or FSDP's gathered units; the RoPE tables,
+    a buffer, are saved by every block's rotation and would count once as the whole table)."""
 
     def __init__(self, module):
-        self.armed, self.bytes, self.ctx = False, None, None
+        self.armed, self.bytes, self.ctx, self.module = False, None, None, module
         module.register_forward_pre_hook(self._enter)
         module.register_forward_hook(self._exit)
 
@@ -192,6 +193,7 @@ class SavedBytes:
     def _enter(self, module, args):
         if self.armed:
             self.kept = {}
+            self.buffers = {b.untyped_storage()._cdata for b in self.module.buffers()}
             self.ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
             self.ctx.__enter__()
 
@@ -204,7 +206,8 @@ class SavedBytes:
         from torch.distributed.tensor import DTensor
         if not (isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)):
             st = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
-            self.kept[st._cdata] = st.nbytes()
+            if st._cdata not in self.buffers:
+                self.kept[st._cdata] = st.nbytes()
         return t
 
 

@@ -272,15 +272,19 @@ def activation_bytes(shape, micro, seq, act_bytes, tp=1, sequence_parallel=False
       (down's input)
       the loss: log-softmax of the logits, fp32 (b s V)
     Tensor parallelism splits attention, MLP and logits over tp; the norms' tensors are whole on every rank unless
-    sequence parallelism splits them too. A checkpointed block keeps only its input (the fp32 residual stream) and
+    sequence parallelism splits them too: then each norm keeps 2 b (s/tp) d (its output is all-gathered, and the
+    gathered whole-sequence b s d is what the column-parallel matmul after it keeps: qkv's, the MLP's, the head's;
+    measured on fake tensors, tools/dry_run.py, 2026-12-02). A checkpointed block keeps only its input (the fp32 residual stream) and
     is recomputed in backward, one at a time. Attention is flash-style (no s x s scores). Under autocast some
     tensors are fp32 and some kept in both dtypes: there it is an estimate. Returns (kept, recomputed at once)."""
     L, V = shape["n_layer"], shape["vocab"]
     d, kv, hidden, wide, _ = dims(shape)
     u = micro * seq * d
-    norm_split = tp if sequence_parallel else 1
-    block = (6 * d / norm_split + (2 * d + 2 * kv + wide * hidden) / tp) * micro * seq * act_bytes
-    end = (3 * u * act_bytes / norm_split + micro * seq * V * 4 / tp) * shape.get("last", True)  # pp: last stage
+    sp = sequence_parallel and tp > 1
+    norm_split = tp if sp else 1
+    norms = (2 * d / tp + d) if sp else 3 * d  # per norm: what it keeps, and (sp) the gathered input after it
+    block = (2 * norms + (2 * d + 2 * kv + wide * hidden) / tp) * micro * seq * act_bytes
+    end = (norms * micro * seq * act_bytes + micro * seq * V * 4 / tp) * shape.get("last", True)  # pp: last stage
     n_ckpt = round(checkpointed * L)
     return (L - n_ckpt) * block + n_ckpt * u * 4 / norm_split + end, block if n_ckpt else 0
 
