@@ -147,4 +147,4 @@ def test_model_bench_runs():
     from tools import model_bench
     rows = model_bench.main(["--shapes", "2x64", "--modes", "eager", "--reps", "1", "--steps", "1", "--warmup", "1",
                              "--seq", "32", "--batch", "2", "--vocab", "256"])
-    assert len(rows) == 1 and rows[0][4] > 0
+    assert len(rows) == 1 and rows[0][4] > 0 and rows[0][5] > 0

@@ -6,7 +6,8 @@
 The reference (`PlainGPT` below) is written as the widely used minimal GPTs are (nanoGPT's shape of code): learned
 position embeddings, LayerNorm, biases, one fused q/k/v matmul, a GELU MLP of 4d, the head tied to the embedding,
 PyTorch's SDPA. Ours is model.py's GPT (RoPE, RMSNorm, no biases, untied head) at the same layers, width, heads,
-vocab and context. One step is forward, backward and AdamW's update, in float32 on one thread per process
+vocab and context, and again with its head tied to the embedding as the reference's is (model.tie_embeddings: the
+same parameter count, so the same optimizer work). One step is forward, backward and AdamW's update, in float32 on one thread per process
 (torch.set_num_threads), as a CPU run of train.py computes. The two models alternate, `--steps` timed steps each
 per repetition, so that a noisy machine slows both alike; the figure is the median over repetitions of ours' tokens/s
 over the reference's. Not a test: tests/test_model.py only checks that it runs.
@@ -76,12 +77,14 @@ def stepper(model, compiled):
 def bench(n_layer, d, mode, reps, steps, batch, seq, vocab, warmup):
     """(our tokens/s, the reference's, their ratio: medians over reps) at one shape and mode."""
     torch.manual_seed(0)
-    ours = GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=n_layer, n_head=d // 64 if d >= 256 else 4,
-                         n_embd=d))
-    ours.init_weights()
-    ref = PlainGPT(vocab, seq, n_layer, ours.cfg.n_head, d)
+    models = {}
+    for name, tie in (("ours", False), ("ours_tied", True)):  # our default untied head, and tied as the reference
+        models[name] = GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=n_layer,
+                                     n_head=d // 64 if d >= 256 else 4, n_embd=d, tie_embeddings=tie))
+        models[name].init_weights()
+    models["plain"] = PlainGPT(vocab, seq, n_layer, models["ours"].cfg.n_head, d)
     idx, targets = torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq))
-    steps_of = {"ours": stepper(ours, mode == "compiled"), "plain": stepper(ref, mode == "compiled")}
+    steps_of = {k: stepper(m, mode == "compiled") for k, m in models.items()}
     for step in steps_of.values():  # compile and warm the allocator before any timing
         for _ in range(warmup):
             step(idx, targets)
@@ -92,8 +95,8 @@ def bench(n_layer, d, mode, reps, steps, batch, seq, vocab, warmup):
             for _ in range(steps):
                 step(idx, targets)
             rates[k].append(steps * batch * seq / (time.perf_counter() - t0))
-    ratios = [a / b for a, b in zip(rates["ours"], rates["plain"])]
-    return statistics.median(rates["ours"]), statistics.median(rates["plain"]), statistics.median(ratios)
+    ratio = {k: statistics.median(a / b for a, b in zip(rates[k], rates["plain"])) for k in ("ours", "ours_tied")}
+    return statistics.median(rates["ours"]), statistics.median(rates["plain"]), ratio["ours"], ratio["ours_tied"]
 
 
 def main(argv=None):
@@ -113,10 +116,10 @@ def main(argv=None):
     for shape in a.shapes.split(","):
         n_layer, d = map(int, shape.split("x"))
         for mode in a.modes.split(","):
-            ours, plain, ratio = bench(n_layer, d, mode, a.reps, a.steps, a.batch, a.seq, a.vocab, a.warmup)
-            rows.append((shape, mode, ours, plain, ratio))
+            ours, plain, ratio, tied = bench(n_layer, d, mode, a.reps, a.steps, a.batch, a.seq, a.vocab, a.warmup)
+            rows.append((shape, mode, ours, plain, ratio, tied))
             print(f"{n_layer}L-{d}d {mode:8s}: ours {ours:9,.0f} tok/s, plain GPT-2 {plain:9,.0f} tok/s, "
-                  f"ratio {ratio:.3f} (median of {a.reps})", flush=True)
+                  f"ratio {ratio:.3f}, tied as the reference {tied:.3f} (medians of {a.reps})", flush=True)
     return rows
 
 
