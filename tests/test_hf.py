@@ -181,6 +181,19 @@ def test_bad_hf_dir(tmp_path, llama_dir, case, message):
 
 
 @pytest.mark.quick
+@pytest.mark.parametrize("overrides,message", [
+    (["model=hf"], "model.n_layer is null: model=hf takes the shape from train.init_from=hf:DIR, which is not set"),
+    (["train.init_from=some/dir"], "train.init_from=some/dir: expected hf:DIR"),
+])
+def test_init_from_settings(tmp_path, overrides, message):
+    with pytest.raises(ConfigError) as err:
+        train.check_config(make_cfg(*[o for o in small_run() if not o.startswith("model.")], *overrides),
+                           str(tmp_path / "run"), 1)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.quick
 def test_a_shorter_context_is_no_conflict(llama_dir, tmp_path):
     cfg = make_cfg(*hf_run(llama_dir[0], "model.block_size=32", "train.seq_len=32"))
     train.check_config(cfg, str(tmp_path / "run"), 1)
@@ -226,7 +239,9 @@ def test_round_trip_single_tied_qwen2(tmp_path):
     assert json.load(open(os.path.join(out, "config.json")))["model_type"] == "qwen2"
 
 
-LAYOUTS = {"fsdp": ["parallel=fsdp"], "tp": ["parallel=tp"]}
+# ours (segments of flattened shards, blocks of rows and columns) and torch's (DTensor shards)
+LAYOUTS = {"fsdp": ["parallel=fsdp"], "tp": ["parallel=tp"], "fsdp_torch": ["parallel=fsdp", "parallel.impl=torch"],
+           "tp_torch": ["parallel=tp", "parallel.impl=torch"]}
 
 
 @launch_jobs(2)
