@@ -61,6 +61,7 @@ class Train:
     ac_every: int = at_least(1)
     out_dir: str = MISSING
     resume: Optional[str] = MISSING
+    init_from: Optional[str] = None
     sample_tokens: int = at_least(0)
     sample_prompt: str = MISSING
 
@@ -90,20 +91,20 @@ class Parallel:
 
 
 @dataclass
-class Model:
-    n_layer: int = at_least(1)
-    n_head: int = at_least(1)
-    n_embd: int = at_least(1)
-    block_size: int = at_least(1)
+class Model:  # Optional throughout: model=hf leaves them null for train.init_from's config.json (hf.py)
+    n_layer: Optional[int] = at_least(1)
+    n_head: Optional[int] = at_least(1)
+    n_embd: Optional[int] = at_least(1)
+    block_size: Optional[int] = at_least(1)
     vocab_size: Optional[int] = at_least(1)
     n_kv_head: Optional[int] = at_least(1)
-    mlp: str = choice("gelu", "swiglu")
+    mlp: Optional[str] = choice("gelu", "swiglu")
     ffn_hidden: Optional[int] = at_least(1)
     ffn_multiple: int = at_least(1)
-    tie_embeddings: bool = MISSING
-    rope_theta: float = above(0)
+    tie_embeddings: Optional[bool] = MISSING
+    rope_theta: Optional[float] = above(0)
     norm_eps: Optional[float] = field(default=None, metadata={"gt": 0})
-    qkv_bias: bool = MISSING
+    qkv_bias: Optional[bool] = MISSING
 
 
 @dataclass
@@ -124,7 +125,8 @@ class Optim:
 class Data:
     source: str = choice("pycode", "text", "fineweb_edu")
     paths: Optional[List[str]] = MISSING
-    tokenizer: str = choice("bpe", "gpt2")
+    tokenizer: str = choice("bpe", "gpt2", "hf")
+    tokenizer_dir: Optional[str] = None
     vocab_size: int = above(257)
     bpe_train_chars: int = at_least(1)
     token_dtype: str = choice("auto", "uint16", "uint32")
@@ -301,7 +303,9 @@ def rules(cfg, world, dtype, cpu_bf16=True, bf16=True):
     and the rule book (layout_problem), the sequence against the model's context, the vocabulary against the
     tokenizer's. Returns the Layout; raises ConfigError with one line. config.check applies them for this device,
     the planner (tools/plan.py) for the GPUs it plans, so both refuse a run with the same line."""
+    import hf
     from data import prepare
+    hf.apply(cfg)  # train.init_from=hf:DIR: the shape from DIR/config.json (once; again is a no-op)
     t, m = cfg.train, cfg.model
     for problem in (check_model(m), check_optim(cfg.optim)):
         if problem:

@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 import checkpoint
 import config
+import hf
 import launch
 import parallel
 from checkpoint import Diverged
@@ -41,6 +42,7 @@ from metrics import Meter, Metrics, mfu_peak, peak_memory_mb, profiler, start_re
 
 def check_config(cfg, run_dir, world):
     """config.check's (layout, device, dtype, grad_accum), and the checkpoint to resume from (or None)."""
+    hf.apply(cfg)  # train.init_from=hf:DIR: the model's shape from DIR/config.json, DIR's files checked
     resume = checkpoint.resume_from(cfg, run_dir)
     checked = config.check(cfg, world)
     if resume and cfg.parallel.impl == "deepspeed":  # saving works (parallel/zero_deepspeed.py); loading is not wired
@@ -167,6 +169,10 @@ def run(cfg, run_dir):
         if start >= t.max_steps:
             print0(f"step {start} is already train.max_steps={t.max_steps}: nothing to train "
                    f"(raise train.max_steps to go on)")
+    elif hf.hf_dir(cfg):  # a fresh run from a Hugging Face model: each rank reads its own pieces of the files
+        n_read = hf.load(hf.hf_dir(cfg), par, dataclasses.asdict(mcfg))
+        print0(f"init_from: {hf.hf_dir(cfg)}: rank 0 read {n_read / 1e6:.2f}M of the model's {n_params / 1e6:.2f}M "
+               f"values")
     if rank == 0:  # the run's first files, written once every check has passed (a resumed run keeps its config)
         os.makedirs(run_dir, exist_ok=True)
         conf = "config.yaml" if not os.path.exists(os.path.join(run_dir, "config.yaml")) or \

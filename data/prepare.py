@@ -37,7 +37,19 @@ class DataError(ValueError):
 
 
 def vocab_size(dcfg):
+    if dcfg.tokenizer == "hf":  # the HF tokenizer's own size, added tokens included
+        try:
+            return tokenizer.hf_vocab_size(hf_folder(dcfg))
+        except tokenizer.TokenizerError as e:
+            raise DataError(str(e)) from None
     return GPT2_VOCAB if dcfg.tokenizer == "gpt2" else int(dcfg.vocab_size)
+
+
+def hf_folder(dcfg):
+    if not dcfg.get("tokenizer_dir"):
+        raise DataError("data.tokenizer=hf reads a Hugging Face tokenizer.json: set data.tokenizer_dir=DIR, or "
+                        "train.init_from=hf:DIR (its own tokenizer)")
+    return os.path.expanduser(dcfg.tokenizer_dir)
 
 
 def local_files(dcfg):
@@ -85,6 +97,8 @@ def cache_key(dcfg, files):
             "val_fraction": dcfg.val_fraction, "dtype": dcfg.token_dtype, "sample_by": dcfg.sample_by,
             "text_field": dcfg.text_field, "max_docs": dcfg.get("max_docs"), "hub": dcfg.get("hub_name"),
             "files": [(os.path.getsize(f), file_digest(f)) for f in files or []]}
+    if dcfg.tokenizer == "hf":  # the tokenizer by content too
+        what["hf_tokenizer"] = file_digest(os.path.join(hf_folder(dcfg), "tokenizer.json"))
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -107,7 +121,14 @@ def prepare(dcfg, cache_dir, log=print):
             ranks, pattern = tokenizer.train_bpe(text_stream(docs, dcfg.bpe_train_chars), vocab_size(dcfg))
             tokenizer.save_bpe(os.path.join(tmp, "bpe"), ranks, pattern)
             log(f"data: trained a {vocab_size(dcfg)}-token BPE in {time.time() - t1:.1f}s")
-        spec = os.path.join(tmp, "bpe") if dcfg.tokenizer == "bpe" else "gpt2"
+        if dcfg.tokenizer == "hf":  # the folder's files, kept in the cache: checkpoints and exports carry them
+            try:
+                with open(os.path.join(tmp, "hf.json"), "w") as f:
+                    json.dump(tokenizer.hf_spec(hf_folder(dcfg)), f)
+            except tokenizer.TokenizerError as e:
+                raise DataError(str(e)) from None
+        spec = {"bpe": os.path.join(tmp, "bpe"), "gpt2": "gpt2", "hf": "hf:" + os.path.join(tmp, "hf.json")}[
+            dcfg.tokenizer]
         docs = docs.shuffle(seed=0).map(encode_batch, batched=True, batch_size=256, fn_kwargs={"spec": spec},
                                         num_proc=max(1, min(dcfg.num_proc or os.cpu_count(), len(docs) // 256)),
                                         remove_columns=docs.column_names, desc="tokenizing")
@@ -187,9 +208,11 @@ _encoders = {}
 
 
 def encode_batch(batch, spec):
-    # load once per worker process; the spec (a path or "gpt2") pickles where an Encoding need not
+    # load once per worker process; the spec ("gpt2", a BPE's path, "hf:" an HF spec's path) pickles where an
+    # Encoding need not
     if spec not in _encoders:
-        _encoders[spec] = tokenizer.gpt2() if spec == "gpt2" else tokenizer.load_bpe(spec)
+        _encoders[spec] = tokenizer.gpt2() if spec == "gpt2" else tokenizer.from_spec(json.load(open(spec[3:]))) \
+            if spec.startswith("hf:") else tokenizer.load_bpe(spec)
     enc = _encoders[spec]
     eot = tokenizer.eot_id(enc)
     return {"ids": [ids + [eot] for ids in enc.encode_ordinary_batch(batch["text"])]}
@@ -211,6 +234,9 @@ def write_split(docs, dtype, out, val_fraction):
 
 
 def tokenizer_spec(folder, meta):
+    if meta["tokenizer"] == "hf":
+        with open(os.path.join(folder, "hf.json")) as f:
+            return json.load(f)
     return tokenizer.spec("gpt2" if meta["tokenizer"] == "gpt2" else os.path.join(folder, "bpe"))
 
 
