@@ -41,7 +41,7 @@ def small_run(*overrides):
     return ["data=text", f"data.paths={paths}", "data.vocab_size=512", "data.num_proc=1", "train.seq_len=64",
             "model.block_size=64", "model.n_layer=2", "model.n_embd=64", "model.n_head=2",
             "train.global_batch_size=8", "train.micro_batch_size=4", "train.max_steps=6", "train.eval_every=3",
-            "train.eval_steps=2", "train.log_every=1", "train.sample_tokens=0", "logger.mode=disabled",
+            "train.eval_steps=1", "train.log_every=1", "train.sample_tokens=0", "logger.mode=disabled",
             *overrides]
 
 
