@@ -163,7 +163,7 @@ def comm_bytes(layout, P, accum, knobs=KNOBS, shape=None, micro=0, seq=0, act_by
     if layout.tp > 1:
         # sequence parallel sums the norm gains' gradients over tp where the strategy keeps them: whole, or (ZeRO,
         # FSDP) the rank's shard of them, 1/shard_ranks of them on average
-        gains = 1 / layout.shard_ranks if layout.strategy in ("zero1", "zero2", "fsdp") else 1
+        gains = 1 / layout.shard_ranks if layout.sharded else 1
         c.update(tp_comm_bytes(shape, micro, seq, act_bytes, accum, knobs["sequence_parallel"], pb, gains))
     return c
 
@@ -209,7 +209,7 @@ def clip_comm(layout):
     their norm over their own mesh: its few bytes are left out."""
     if layout.impl == "torch" and (layout.strategy in ("zero2", "fsdp") or layout.tp > 1):
         return Counter()
-    if layout.strategy in ("zero1", "zero2", "fsdp"):
+    if layout.sharded:
         return Counter({("world", "all_reduce"): 8})
     c = Counter({("tp", "all_reduce"): 8} if layout.tp > 1 else {})
     if layout.pp > 1:
@@ -596,7 +596,7 @@ def _predict(cfg, layout, ac, shape, plan):
     # what of comm is a mean over ranks: under sequence parallel each rank's ZeRO or FSDP shard holds its own piece of
     # the norm gains (none to all of them, by where the shard boundaries fall), whose gradients it sums over tp
     spread = Counter({("tp", "all_reduce"): 2 * (2 * shape["n_layer"] + shape.get("last", True)) * shape["n_embd"]
-                      * 4}) if tp > 1 and knobs["sequence_parallel"] and layout.strategy in ("zero1", "zero2", "fsdp") \
+                      * 4}) if tp > 1 and knobs["sequence_parallel"] and layout.sharded \
         else Counter()
     kept, recompute = cp_activation_bytes(shape, t.micro_batch_size, t.seq_len, act_bytes, cp, method, tp,
                                           knobs["sequence_parallel"], checkpointed)
