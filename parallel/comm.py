@@ -71,8 +71,12 @@ _names = {}  # process group -> mesh dimension name
 _inside = threading.local()  # a counted call that calls another (all_gather_single -> all_gather_into_tensor) counts once
 
 
-def name_groups(names):
-    """{process group: dimension name} for the mesh's groups, so that bytes are filed by dimension."""
+def name_groups(names, replace=False):
+    """{process group: dimension name} for the mesh's groups, so that bytes are filed by dimension. `replace`: forget
+    the names given before (a run's mesh names its groups afresh: one process may run several layouts, and the
+    default group is tp in one, dp in another, and in a third none of the mesh's)."""
+    if replace:
+        _names.clear()
     _names.update(names)
 
 

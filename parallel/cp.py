@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from model import causal_attention
 from parallel import comm
+from parallel.layout import once_per_group
 
 
 # --- the split
@@ -318,6 +319,12 @@ def data_mesh(mesh):
     Each cp rank's gradients come from its own tokens, so the data-parallel strategy averages them over dp x cp as it
     would over replicas (torchtitan's dp_shard_cp). Its groups are new ones, even where they span every rank (where
     DeviceMesh would reuse the default group, cp's too), so that comm.py files their bytes apart, under "dp_cp"."""
+    out, names = once_per_group(("dp x cp", mesh.device_type, tuple(mesh.mesh.shape)), lambda: _data_mesh(mesh))
+    comm.name_groups(names)  # at every run, as Layout.build_mesh names its groups
+    return out
+
+
+def _data_mesh(mesh):
     from torch.distributed.device_mesh import DeviceMesh
     d = {k: mesh.get_group(k).size() for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
     ranks = mesh.mesh.reshape(d["pp"], d["dp_replicate"], d["dp_shard"] * d["cp"], d["tp"])
@@ -329,5 +336,4 @@ def data_mesh(mesh):
     out = DeviceMesh.from_group([mesh.get_group("pp"), replicate, shard, mesh.get_group("tp")], mesh.device_type,
                                 mesh=ranks, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
     flat = out["dp_replicate", "dp_shard"]._flatten("dp", backend_override=dist.get_backend())  # a new group
-    comm.name_groups({shard: "dp_shard_cp", replicate: "dp_replicate", flat.get_group(): "dp_cp"})
-    return out
+    return out, {shard: "dp_shard_cp", replicate: "dp_replicate", flat.get_group(): "dp_cp"}

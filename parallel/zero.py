@@ -122,7 +122,7 @@ class ZeroOptimizer(Sharded):
                 if stage == 1 and not self.sink:
                     p.grad = grad[o: o + p.numel()].view_as(p)
                 if self.sink:  # registered before ReadyHooks' own hook, so it runs first
-                    p.register_post_accumulate_grad_hook(lambda p, b=b, o=o: self._sink(p, b, o))
+                    p.register_post_accumulate_grad_hook(buckets.weak_hook(self._sink, b, o))
             # the fp32 master segments' .grad: views of the fp32 gradient shard, or (bf16 gradients) of the float32
             # copy the end of backward makes (_grads_for_step)
             mine = owned_segments(b.params, b.offsets, lo, hi, master,

@@ -414,3 +414,19 @@ def _count_worker():
 def test_comm_counter_volume_rules():
     """all-reduce counts 2x its tensor, reduce-scatter its input, all-gather its output, broadcast its tensor."""
     forked(2, _count_worker)
+
+
+@pytest.mark.quick
+def test_bucket_hooks_do_not_keep_their_strategy_alive():
+    """The gradient hooks live on the parameters, where the garbage collector cannot always follow them: held
+    strongly, they kept a finished run's strategy, model and process groups alive (parallel/buckets.py weak_hook)."""
+    import gc
+    import weakref
+    from parallel import buckets
+    m = torch.nn.Linear(4, 4)
+    hooks = buckets.ReadyHooks(buckets.pack(m.parameters(), 1), lambda b: None, lambda: None)
+    m(torch.ones(2, 4)).sum().backward()  # the hooks have run: autograd has held the parameters
+    ref = weakref.ref(hooks)
+    del hooks, m
+    gc.collect()
+    assert ref() is None

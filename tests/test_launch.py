@@ -190,3 +190,39 @@ def test_bad_launches_stop_before_any_work(tmp_path):
         assert p.returncode == 1 and p.stderr.strip().splitlines()[-1].startswith("error: "), p.stderr[-3000:]
         assert message in p.stderr
         assert not run_dir.exists() or not os.listdir(run_dir)
+
+
+def _threads(name):
+    return sum(open(f"/proc/self/task/{t}/comm").read().strip() == name for t in os.listdir("/proc/self/task"))
+
+
+def test_jobs_in_one_launch_leave_nothing_behind(tmp_path):
+    """tools/jobs.py runs many train.py jobs in one process group (the tests' launches): a layout seen before reuses
+    its mesh and gloo groups (parallel/layout.py once_per_group), and a finished job's model is gone. Each gloo group
+    keeps three threads: new groups per job piled up hundreds of threads per rank, and a launch's last jobs ran
+    several times slower."""
+    import contextlib
+    import json
+    from conftest import forked
+    from tools import jobs
+    layouts = [("tp", "parallel.tp=2"), ("cp", "parallel.cp=2")] * 2 + [("zero2", "parallel.impl=scratch")]
+    overrides = [small_run("train.max_steps=1", "train.eval_every=1", f"parallel={s}", extra) for s, extra in layouts]
+    path = tmp_path / "jobs.json"
+    path.write_text(json.dumps([[str(tmp_path / f"job{i}"), o] for i, o in enumerate(overrides)]))
+    counts = str(tmp_path / "threads")
+
+    def rank():
+        seen = []
+
+        @contextlib.contextmanager
+        def around(run_dir):
+            seen.append(_threads("pt_gloo_runloop"))  # what the jobs before this one left running
+            yield
+        jobs.main(str(path), around)
+        with open(f"{counts}.{os.environ['RANK']}", "w") as f:
+            json.dump(seen, f)
+    forked(2, rank)
+    for r in range(2):
+        seen = json.load(open(f"{counts}.{r}"))
+        # the third and fourth jobs repeat the first two's layouts; the fifth's mesh is the world (ddp's, dp=2)
+        assert seen[1] < seen[2] == seen[3] == seen[4], f"rank {r}: gloo threads at each job's start {seen}"

@@ -1,9 +1,10 @@
 """Run several train.py jobs in one torchrun launch: `python -m torch.distributed.run --nproc_per_node=N
 -m tools.jobs JOBS.json`, JOBS a list of [run dir, [overrides]]. One process group and one start of torch, Hydra,
 W&B and datasets per rank serve them all (each rank spends seconds importing them); train.run leaves a process
-group it did not create in place, and builds its own mesh inside it each time. What lives across jobs (the modules,
-their caches) is frozen out of the garbage collector: each train.run ends in a full collection, which would walk it
-all again (0.2-0.6 s a job on each rank, on 2 CPU cores). The tests' launches
+group it did not create in place, and a layout's mesh (its groups) is built once in it and reused by every job of
+that layout (parallel/layout.py once_per_group says why). What lives across jobs (the modules, their caches) is frozen
+out of the garbage collector: each train.run ends in a full collection, which would walk it all again (0.2-0.6 s a
+job on each rank, on 2 CPU cores). The tests' launches
 (tests/conftest.py torchrun_jobs) and tools/precision.py go through here."""
 import contextlib
 import gc
@@ -36,7 +37,10 @@ def main(path, around=lambda run_dir: contextlib.nullcontext()):
         if dist.get_rank() == 0:
             print(f"layouts: done {run_dir}", flush=True)
             print(f"layouts: {time.time() - start:.1f} s for {run_dir}", flush=True)  # where a launch's time goes
-        gc.freeze()  # what the job left behind (lazily imported modules) joins the rest
+        # what the job left in cycles (its mesh, its model) goes first: frozen, it would stay for good, and with it
+        # each gloo group's threads; then what it left behind on purpose (lazily imported modules) joins the rest
+        gc.collect()
+        gc.freeze()
     dist.barrier()
     dist.destroy_process_group()
 
