@@ -51,8 +51,8 @@ def layout(params, pad=1):
 def weak_hook(method, *args):
     """A tensor hook that calls method(tensor, *args) without holding method's object. The hook lives on the tensor,
     and a cycle through a tensor is one the garbage collector cannot always see (torch skips a tensor that C++ also
-    holds): a strong reference back to the strategy kept its model, buffers and process groups alive after train.run
-    returned (18 gloo threads a job leaked, 2026-12-02)."""
+    holds): a strong reference back to the strategy kept its whole model alive after train.run returned (seen under
+    fsdp x tp in a launch of several jobs, 2026-12-02)."""
     ref = weakref.WeakMethod(method)
     return lambda t: ref()(t, *args)
 

@@ -198,7 +198,7 @@ def _threads(name):
 
 def test_jobs_in_one_launch_leave_nothing_behind(tmp_path):
     """tools/jobs.py runs many train.py jobs in one process group (the tests' launches): a layout seen before reuses
-    its mesh and gloo groups (parallel/layout.py once_per_group), and a finished job's model is gone. Each gloo group
+    its mesh and gloo groups (parallel/layout.py once_per_group). Each gloo group
     keeps three threads: new groups per job piled up hundreds of threads per rank, and a launch's last jobs ran
     several times slower."""
     import contextlib
@@ -224,5 +224,5 @@ def test_jobs_in_one_launch_leave_nothing_behind(tmp_path):
     forked(2, rank)
     for r in range(2):
         seen = json.load(open(f"{counts}.{r}"))
-        # the third and fourth jobs repeat the first two's layouts; the fifth's mesh is the world (ddp's, dp=2)
+        # the third and fourth jobs repeat the first two's layouts; the fifth's start shows what the fourth left
         assert seen[1] < seen[2] == seen[3] == seen[4], f"rank {r}: gloo threads at each job's start {seen}"

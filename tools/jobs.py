@@ -37,8 +37,8 @@ def main(path, around=lambda run_dir: contextlib.nullcontext()):
         if dist.get_rank() == 0:
             print(f"layouts: done {run_dir}", flush=True)
             print(f"layouts: {time.time() - start:.1f} s for {run_dir}", flush=True)  # where a launch's time goes
-        # what the job left in cycles (its mesh, its model) goes first: frozen, it would stay for good, and with it
-        # each gloo group's threads; then what it left behind on purpose (lazily imported modules) joins the rest
+        # what the job left in cycles (its model, its optimizer) goes first: frozen, it would stay for good; then
+        # what it left behind on purpose (lazily imported modules, the layouts' meshes) joins the rest
         gc.collect()
         gc.freeze()
     dist.barrier()
