@@ -17,6 +17,11 @@ Design choices:
   with its neighbour, as the RoPE paper and Meta's original code interleave them), each pair rotated by
   position x theta^(-2i / head_dim). The tables hold cos and sin over the whole head dim, so a rotation is
   x * cos + rotate_half(x) * sin with the signs in the sin table: no halves computed apart and concatenated.
+- Speed, eager: RMSNorm, RoPE and the loss are autograd Functions of their own (RMSNormFn, Rope, CrossEntropy),
+  each one node that keeps less and writes fewer fresh tensors than the aten ops autograd would compose; on the
+  CPU fresh large tensors cost page faults, and that is most of what these save. Compiled, the same math as plain
+  ops, which the compiler fuses itself (faster there than the Functions, measured). With tests/test_model.py
+  checking them against torch's, `python -m tools.model_bench` timing us against a plain GPT-2: docs/benchmarks.md.
 - Untied input embedding and output head by default. Every parameter then belongs to exactly one piece of the
   model (embedding, a block, or norm + head), which is what FSDP units, pipeline stages and tensor-parallel
   sharding want. `tie_embeddings=true` (Llama 3.2 1B, Qwen2 0.5B) makes the head's weight the embedding's; the
@@ -89,11 +94,110 @@ def rope_tables(cfg, device):
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
+def rotate(x, cos, sin, sign=1):
+    """x * cos + rotate_half(x) * sin (sign=-1: by the opposite angle), written half by half in place into one new
+    tensor: out1 = x1 cos1 + x2 sin1, out2 = x2 cos2 + x1 sin2 (the sin table's first half is negated)."""
+    h = x.size(-1) // 2
+    out = x * cos
+    out[..., :h].addcmul_(x[..., h:], sin[..., :h], value=sign)
+    out[..., h:].addcmul_(x[..., :h], sin[..., h:], value=sign)
+    return out
+
+
+class Rope(torch.autograd.Function):
+    """RoPE as one autograd node. A rotation is linear and orthogonal, so its backward is the rotation by the
+    opposite angle: nothing saved but the tables. (Composed of aten ops, autograd would keep x and a rolled copy
+    and run a mul, a roll and an addcmul each way.)"""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return rotate(grad, cos, sin, sign=-1), None, None
+
+
 def apply_rope(x, cos, sin):
     """x: (..., T, H, D); cos, sin: (T, D), the tables' rows at x's positions. Pair (x1, x2) of the two halves
-    becomes (x1 cos - x2 sin, x2 cos + x1 sin): rotate_half(x) = (x2, x1) by a roll, signs from the sin table."""
+    becomes (x1 cos - x2 sin, x2 cos + x1 sin). Compiled, the composed ops (the compiler fuses them itself)."""
     cos, sin = cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]
-    return torch.addcmul(x * cos, x.roll(x.size(-1) // 2, dims=-1), sin)
+    if torch.compiler.is_compiling():
+        return torch.addcmul(x * cos, x.roll(x.size(-1) // 2, dims=-1), sin)
+    return Rope.apply(x, cos, sin)
+
+
+class RMSNormFn(torch.autograd.Function):
+    """y = x / rms(x) * weight (Zhang and Sennrich, 2019), as one autograd node that keeps only x and 1/rms. torch
+    has no fused RMSNorm kernel on the CPU: F.rms_norm runs as pow, mean, rsqrt and muls, and autograd keeps their
+    intermediates, each a fresh (tokens x d) tensor forward and backward, where LayerNorm is one kernel each way.
+    The statistic is taken in float32 (a half-precision input is upcast for it), as F.rms_norm takes it."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        r = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.promote_types(x.dtype, torch.float32))
+        r = torch.rsqrt(r.square_().div_(x.size(-1)).add_(eps))
+        ctx.save_for_backward(x, weight, r)
+        return (x * r).to(x.dtype).mul_(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # with xh = x r: dx = r (g w - xh mean(g w xh)), dweight = sum over tokens of g xh; in float32 (or wider),
+        # three (tokens x d) tensors allocated, one of them freed at once, the rest in place
+        x, weight, r = ctx.saved_tensors
+        grad, xh = grad.to(r.dtype), x * r
+        dweight = (grad * xh).sum(dim=tuple(range(x.dim() - 1)))
+        gw = grad * weight
+        dot = torch.linalg.vecdot(gw, xh, dim=-1).unsqueeze(-1).div_(x.size(-1))
+        dx = gw.sub_(xh.mul_(dot)).mul_(r)
+        return dx.to(x.dtype), dweight.to(weight.dtype), None
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm (its parameter, its settings, what tensor parallelism recognizes) computed by RMSNormFn; compiled,
+    by nn.RMSNorm's own ops, which the compiler fuses (as it does the loss's and RoPE's: measured faster compiled
+    than the Functions, docs/benchmarks.md)."""
+
+    def forward(self, x):
+        if torch.compiler.is_compiling():
+            return super().forward(x)
+        # torch's default: the machine epsilon of the dtype the statistic is computed in (float32 for half types)
+        eps = self.eps if self.eps is not None else torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
+        return RMSNormFn.apply(x, self.weight, eps)
+
+
+class CrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of logits (N, V) against targets (N,), the softmax in float32 (or wider), as one autograd
+    node that keeps the logits (in their own dtype) and each row's log-sum-exp. Composed of aten ops (F.cross_entropy
+    of the float32 logits), autograd keeps the whole float32 log-softmax, and backward writes two more N x V
+    tensors; here backward writes the gradient over the saved logits, which nothing else reads (the head's matmul
+    keeps its input, not its output). Rows go in chunks of about 4 MiB of float32, so a half-precision input never
+    needs a whole float32 copy."""
+
+    @staticmethod
+    def forward(ctx, logits, targets):
+        rows, wide = max(1, (1 << 20) // logits.size(1)), torch.promote_types(logits.dtype, torch.float32)
+        lse = torch.cat([torch.logsumexp(c.to(wide), dim=-1) for c in logits.split(rows)])
+        picked = logits.gather(1, targets[:, None]).squeeze(1).to(wide)
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.rows, ctx.done = rows, None
+        return (lse - picked).mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        # d loss / d logits = (softmax(logits) - onehot(target)) * grad / N
+        if ctx.done is not None:  # backward again through a kept graph (zero-bubble's W after its B, parallel/pp.py)
+            dlogits, first = ctx.done  # the logits now hold the first call's gradient: rescale it
+            return (dlogits if torch.equal(grad, first) else dlogits * (grad / first)), None
+        logits, targets, lse = ctx.saved_tensors
+        scale = grad / logits.size(0)
+        for c, l in zip(logits.split(ctx.rows), lse.split(ctx.rows)):
+            c.copy_(c.to(l.dtype).sub_(l[:, None]).exp_().mul_(scale))
+        logits.view(-1)[torch.arange(logits.size(0), device=logits.device) * logits.size(1) + targets] -= scale
+        ctx.done = logits, grad
+        return logits, None
 
 
 def causal_attention(q, k, v):
@@ -131,10 +235,13 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         # -1 rather than n_kv_head: under tensor parallelism this rank holds only some groups
         qkv = self.qkv(x).view(B, T, -1, self.rep + 2, self.head_dim)
-        q = apply_rope(qkv[:, :, :, :self.rep], cos[:, None], sin[:, None]).view(B, T, -1, self.head_dim)
-        k = apply_rope(qkv[:, :, :, self.rep], cos, sin)
+        # one split rather than three indexings: its backward is one cat, where each indexing's would fill a zeroed
+        # copy of the whole qkv output
+        q, k, v = qkv.split((self.rep, 1, 1), dim=3)
+        q = apply_rope(q, cos[:, None], sin[:, None]).view(B, T, -1, self.head_dim)
+        k = apply_rope(k.squeeze(3), cos, sin)
         # a copy: attention keeps v for backward, and a view would keep the whole qkv output alive with it
-        v = qkv[:, :, :, self.rep + 1].contiguous()
+        v = v.squeeze(3).contiguous()
         y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -157,9 +264,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.norm1 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.norm1 = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
-        self.norm2 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.norm2 = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin):
@@ -173,7 +280,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.norm = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.head = nn.Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.wte.weight  # one parameter, named wte.weight (named_parameters keeps the first)
@@ -242,7 +349,10 @@ class GPT(nn.Module):
     def loss(self, logits, targets):
         """Mean cross-entropy over all positions, in float32. A method of its own so that a strategy which splits
         the vocabulary across ranks can put its own in place (parallel/tp.py)."""
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        logits, targets = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)
+        if torch.compiler.is_compiling():
+            return F.cross_entropy(logits.float(), targets)
+        return CrossEntropy.apply(logits, targets)
 
     def num_params(self, exclude_embedding=False):
         """Parameters (a tied weight once); `exclude_embedding`: those that take part in a matmul, all but an untied

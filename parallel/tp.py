@@ -353,6 +353,9 @@ def apply_torch_tp(model, mesh, p, device):
                 distribute_module(m, tp_mesh, input_fn=lambda m, args, mesh: tuple(
                     DTensor.from_local(a, mesh, [Replicate()], run_check=False) for a in args),
                     output_fn=lambda m, out, mesh: out.to_local())
+    # loss_parallel shards torch's own cross-entropy over the vocab, not the model's fused one (model.CrossEntropy)
+    model.loss = lambda logits, targets: torch.nn.functional.cross_entropy(
+        logits.float().flatten(0, -2), targets.reshape(-1))
     # the loss comes back as a replicated DTensor: hand the loop a plain tensor (its gradient flows through
     # to_local); called without targets (sampling), the model returns the full logits, not a vocab-sharded DTensor
     model.register_forward_hook(lambda m, args, kwargs, out: out.to_local() if has_targets(args, kwargs)

@@ -12,7 +12,7 @@ import torch
 import checkpoint
 import hf
 import train
-from conftest import job_output, launch_jobs, make_cfg, small_corpus, small_run
+from conftest import job_output, launch_jobs, make_cfg, read_metrics, small_corpus, small_run
 from config import ConfigError
 from data.prepare import DataError
 
@@ -226,17 +226,25 @@ def assert_round_trip(run_dir, folder, out):
         "input_ids"]
 
 
-def test_round_trip_single_tied_qwen2(tmp_path):
+def test_round_trip_single_tied_qwen2(tmp_path, capsys):
     """One process, a tied Qwen2 with q/k/v biases: its own tokenizer tokenizes the corpus, and its export carries
-    the tokenizer's files."""
+    the tokenizer's files. Run again in the same run dir with more steps, it goes on from its own checkpoint: the
+    weights it trained, not DIR's again (train.init_from only starts a run)."""
     folder = str(tmp_path / "qwen2")
     save_hf(folder, "qwen2", tied=True)
     run_dir = str(tmp_path / "run")
     train.run(make_cfg(*hf_run(folder)), run_dir)
+    assert "init_from: " in capsys.readouterr().out
     out = str(tmp_path / "out")
     assert_round_trip(run_dir, folder, out)
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(out))
     assert json.load(open(os.path.join(out, "config.json")))["model_type"] == "qwen2"
+
+    train.run(make_cfg(*hf_run(folder, "optim.lr=1e-2", "train.max_steps=3")), run_dir)
+    printed = capsys.readouterr().out
+    assert "resumed from" in printed and "step 2" in printed and "init_from: " not in printed, printed
+    steps = [r["step"] for r in read_metrics(run_dir) if "loss" in r]
+    assert steps == [1, 2, 3], steps  # 1 and 2 from the first run, 3 from the resumed one (not 1, 2, 3 again)
 
 
 # ours (segments of flattened shards, blocks of rows and columns) and torch's (DTensor shards)

@@ -127,6 +127,50 @@ def test_attention_is_hugging_face_llamas():
     assert apply_rope is not None
 
 
+@pytest.mark.quick
+def test_fused_ops_equal_torchs():
+    """model.py's RMSNorm, RoPE and cross-entropy (autograd Functions, for speed: docs/benchmarks.md) against torch's
+    own ops composed by autograd: values and gradients, float32 and bfloat16; gradcheck in float64; and the loss's
+    backward run twice through a kept graph (zero-bubble's W after its B) gives the same gradient twice, though
+    its first backward writes over the saved logits."""
+    from model import CrossEntropy, RMSNorm, RMSNormFn, Rope, rope_tables
+    F = torch.nn.functional
+    torch.manual_seed(0)
+    for dtype, tol in ((torch.float32, dict(rtol=1e-5, atol=1e-6)), (torch.bfloat16, dict(rtol=2e-2, atol=1e-2))):
+        ours, ref = RMSNorm(48), torch.nn.RMSNorm(48)
+        with torch.no_grad():
+            ours.weight.normal_()
+            ref.weight.copy_(ours.weight)
+        x = (torch.randn(3, 10, 48) * 3).to(dtype).requires_grad_()
+        g = torch.randn(3, 10, 48).to(dtype)
+        got = ours(x), *torch.autograd.grad(ours(x), (x, ours.weight), g)
+        want = ref(x), *torch.autograd.grad(ref(x), (x, ref.weight), g)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(a, b, **tol)
+
+        logits = (torch.randn(40, 300) * 4).to(dtype).requires_grad_()
+        targets = torch.randint(0, 300, (40,))
+        loss = CrossEntropy.apply(logits * 1, targets)  # * 1: the Function writes over its input's storage
+        first = torch.autograd.grad(loss * 3, logits, retain_graph=True)[0]
+        again = torch.autograd.grad(loss * 3, logits)[0]
+        ref_loss = F.cross_entropy(logits.float(), targets)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(first, torch.autograd.grad(ref_loss * 3, logits)[0], **tol)
+        torch.testing.assert_close(again, first, rtol=0, atol=0)
+
+    cfg = GPTConfig(n_embd=32, n_head=2, block_size=9)
+    cos, sin = (t.double()[:, None] for t in rope_tables(cfg, "cpu"))
+    x = torch.randn(2, 9, 3, 16, dtype=torch.float64, requires_grad=True)
+    composed = torch.addcmul(x * cos, x.roll(8, dims=-1), sin)  # x cos + rotate_half(x) sin, signs in the sin table
+    torch.testing.assert_close(Rope.apply(x, cos, sin), composed, rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda t: Rope.apply(t, cos, sin), (x,))
+    w = torch.randn(16, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t, w: RMSNormFn.apply(t, w, 1e-6), (x, w))
+    z = torch.randn(6, 11, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda z: CrossEntropy.apply(z * 1, torch.arange(6) % 11), (z,))
+
+
 def test_default_model_draws_as_before():
     """GPT-3's block with the fused qkv draws q, k and v as the three separate matrices it replaced did: the same
     seed gives the same q, k, v (and every other parameter) as before the fusion."""

@@ -264,27 +264,32 @@ def checkpointed_fraction(mode, n_layer, every=1):
 def activation_bytes(shape, micro, seq, act_bytes, tp=1, sequence_parallel=False, checkpointed=0.0):
     """Bytes autograd keeps for backward, one micro-batch (only one is alive at a time), counted in our Block
     (tests/test_plan.py checks the count on CPU against what autograd saves):
-      each RMSNorm: its input, the normalized input and the output (3 b s d); two per block, one at the end
+      each RMSNorm (model.RMSNormFn): its input and its float32 1/rms (b s d + 4 b s bytes), and its output, which
+      the matmul after it keeps (b s d); two per block, one at the end
       attention: q and k after RoPE, v, the output, which is the proj input too (a view: the kernel writes it in
       the token-major order the fused qkv's views give it) (2 b s d + 2 b s d_kv: 4 b s d without grouped-query
       attention); MLP, f hidden units: GELU's up's and GELU's outputs (2 b s f: 8 b s d), SwiGLU's four wide
       tensors (4 b s f): gate's output (silu's input), silu's and up's outputs (the product's operands), the product
       (down's input)
-      the loss: log-softmax of the logits, fp32 (b s V)
+      the loss (model.CrossEntropy): the logits in their dtype and each row's float32 log-sum-exp (b s V + 4 b s
+      bytes); under tensor parallelism the vocab-parallel loss keeps the float32 softmax of its slice (b s V / tp)
     Tensor parallelism splits attention, MLP and logits over tp; the norms' tensors are whole on every rank unless
-    sequence parallelism splits them too: then each norm keeps 2 b (s/tp) d (its output is all-gathered, and the
-    gathered whole-sequence b s d is what the column-parallel matmul after it keeps: qkv's, the MLP's, the head's;
-    measured on fake tensors, tools/dry_run.py, 2026-12-02). A checkpointed block keeps only its input (the fp32 residual stream) and
-    is recomputed in backward, one at a time. Attention is flash-style (no s x s scores). Under autocast some
-    tensors are fp32 and some kept in both dtypes: there it is an estimate. Returns (kept, recomputed at once)."""
+    sequence parallelism splits them too: then each norm keeps its b (s/tp) d input and statistic (its output is
+    all-gathered, and the gathered whole-sequence b s d is what the column-parallel matmul after it keeps: qkv's, the
+    MLP's, the head's; measured on fake tensors, tools/dry_run.py, 2026-12-02). A checkpointed block keeps only its
+    input (the fp32 residual stream) and is recomputed in backward, one at a time. Attention is flash-style (no s x s
+    scores). Under autocast some tensors are fp32 and some kept in both dtypes: there it is an estimate. Compiled, the
+    compiler chooses what to keep. Returns (kept, recomputed at once)."""
     L, V = shape["n_layer"], shape["vocab"]
     d, kv, hidden, wide, _ = dims(shape)
     u = micro * seq * d
     sp = sequence_parallel and tp > 1
     norm_split = tp if sp else 1
-    norms = (2 * d / tp + d) if sp else 3 * d  # per norm: what it keeps, and (sp) the gathered input after it
-    block = (2 * norms + (2 * d + 2 * kv + wide * hidden) / tp) * micro * seq * act_bytes
-    end = (norms * micro * seq * act_bytes + micro * seq * V * 4 / tp) * shape.get("last", True)  # pp: last stage
+    # per norm and token: its input and 1/rms (split under sp), and its output (under sp the gathered one after it)
+    norm = ((d * act_bytes + 4) / tp + d * act_bytes) if sp else 2 * d * act_bytes + 4
+    block = (2 * norm + (2 * d + 2 * kv + wide * hidden) / tp * act_bytes) * micro * seq
+    loss = V * 4 / tp if tp > 1 else V * act_bytes + 4
+    end = (norm + loss) * micro * seq * shape.get("last", True)  # pp: only the last stage
     n_ckpt = round(checkpointed * L)
     return (L - n_ckpt) * block + n_ckpt * u * 4 / norm_split + end, block if n_ckpt else 0
 
