@@ -13,6 +13,14 @@ from hydra import compose, initialize_config_dir
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(os.path.dirname(ROOT), "shared")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def needs_shared(*paths):
+    """Skip unless every one of `paths` (relative to ../shared) is there, naming those that are not."""
+    missing = [p for p in paths if not os.path.exists(os.path.join(SHARED, p))]
+    return pytest.mark.skipif(bool(missing), reason=f"needs ../shared/{' and ../shared/'.join(missing)}")
+
+
 os.environ.setdefault("WANDB_SILENT", "true")
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SHARED, make_cfg
+from conftest import SHARED, make_cfg, needs_shared
 from data import prepare, shards, tokenizer
 
 pytestmark = pytest.mark.quick  # the quick tier: all of this file is fast, in this process
@@ -60,7 +60,7 @@ def test_bpe_round_trip_and_text_format(tmp_path):
     assert len(ids) < len(sample.encode())  # merges were learned
 
 
-@pytest.mark.skipif(not os.path.isdir(os.path.join(SHARED, "tiktoken_cache")), reason="needs ../shared/tiktoken_cache")
+@needs_shared("tiktoken_cache")
 def test_gpt2_round_trip(monkeypatch):
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", os.path.join(SHARED, "tiktoken_cache"))
     enc = tokenizer.gpt2()

@@ -116,8 +116,9 @@ def gpu_bench(*args, env, timeout=120):
                           text=True, timeout=timeout)
 
 
-@pytest.mark.skipif(not os.path.isdir(os.path.join(SHARED, "tiktoken_cache")),
-                    reason="needs ../shared (tinyshakespeare, tiktoken_cache)")
+@pytest.mark.skipif(not all(os.path.exists(os.path.join(SHARED, p)) for p in ("data/tinyshakespeare.txt",
+                                                                                "tiktoken_cache")),
+                    reason="needs ../shared/data/tinyshakespeare.txt and ../shared/tiktoken_cache")
 def test_gpu_bench_runs_on_a_bare_image_from_its_bundle(tmp_path):
     t0 = time.time()
     bundle = str(tmp_path / "bundle")

@@ -15,7 +15,7 @@ import torch
 import config
 import parallel
 import train
-from conftest import ROOT, SHARED, forked, make_cfg, read_metrics, small_run
+from conftest import ROOT, forked, make_cfg, needs_shared, read_metrics, small_run
 from model import GPT, GPTConfig
 from parallel import pp
 from parallel.layout import DATA_STRATEGIES, Layout, LayoutError
@@ -321,8 +321,7 @@ def test_impossible_layouts(overrides, message):
     assert str(e.value.code).startswith(f"error: {message}")
 
 
-needs_shared = pytest.mark.skipif(not os.path.isdir(os.path.join(SHARED, "tiktoken_cache")),
-                                  reason="needs ../shared (tinyshakespeare, tiktoken_cache)")
+needs_data_and_bpe = needs_shared("data/tinyshakespeare.txt", "tiktoken_cache")
 
 
 def test_gpu_bench_trace_shares(tmp_path):
@@ -391,7 +390,7 @@ def test_gpu_bench_budget_and_failures(tmp_path, monkeypatch):
     assert "| gpt_350m | 32 | single | yes | 400,000 (out of time (" in md
 
 
-@needs_shared
+@needs_data_and_bpe
 def test_gpu_bench_stays_within_its_budget(tmp_path, monkeypatch):
     """Too little budget for a job to start: none is launched. Jobs launched with less than they need: each is
     killed at its share, and the run ends on time."""

@@ -13,6 +13,7 @@ per repetition, so that a noisy machine slows both alike; the figure is the medi
 over the reference's. Not a test: tests/test_model.py only checks that it runs.
 """
 import argparse
+import resource
 import statistics
 import time
 
@@ -75,7 +76,8 @@ def stepper(model, compiled):
 
 
 def bench(n_layer, d, mode, reps, steps, batch, seq, vocab, warmup):
-    """(our tokens/s, the reference's, their ratio: medians over reps) at one shape and mode."""
+    """(our tokens/s, the reference's, their ratio, the ratio tied: medians over reps; the untied ratio's lowest and
+    highest) at one shape and mode."""
     torch.manual_seed(0)
     models = {}
     for name, tie in (("ours", False), ("ours_tied", True)):  # our default untied head, and tied as the reference
@@ -89,14 +91,25 @@ def bench(n_layer, d, mode, reps, steps, batch, seq, vocab, warmup):
         for _ in range(warmup):
             step(idx, targets)
     rates = {k: [] for k in steps_of}
+    kernel = {k: [0.0, 0] for k in steps_of}  # system seconds and minor page faults, summed over the timed steps
     for _ in range(reps):
         for k, step in steps_of.items():  # interleaved: both see the same moments of a noisy machine
-            t0 = time.perf_counter()
+            r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
             for _ in range(steps):
                 step(idx, targets)
-            rates[k].append(steps * batch * seq / (time.perf_counter() - t0))
-    ratio = {k: statistics.median(a / b for a, b in zip(rates[k], rates["plain"])) for k in ("ours", "ours_tied")}
-    return statistics.median(rates["ours"]), statistics.median(rates["plain"]), ratio["ours"], ratio["ours_tied"]
+            t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+            rates[k].append(steps * batch * seq / (t1 - t0))
+            kernel[k][0] += r1.ru_stime - r0.ru_stime
+            kernel[k][1] += r1.ru_minflt - r0.ru_minflt
+    n = reps * steps
+    print(f"{n_layer}L-{d}d {mode:8s}: per step, system time and minor page faults (a fresh large tensor's pages "
+          f"fault on first touch): " + ", ".join(f"{k} {s / n * 1e3:.0f} ms, {f / n:,.0f}" for k, (s, f) in
+                                                 kernel.items()), flush=True)
+    ratios = {k: sorted(a / b for a, b in zip(rates[k], rates["plain"])) for k in ("ours", "ours_tied")}
+    ratio = {k: statistics.median(r) for k, r in ratios.items()}
+    spread = (ratios["ours"][0], ratios["ours"][-1])  # the repetitions' lowest and highest: how noisy the run was
+    return (statistics.median(rates["ours"]), statistics.median(rates["plain"]), ratio["ours"], ratio["ours_tied"],
+            spread)
 
 
 def main(argv=None):
@@ -116,10 +129,12 @@ def main(argv=None):
     for shape in a.shapes.split(","):
         n_layer, d = map(int, shape.split("x"))
         for mode in a.modes.split(","):
-            ours, plain, ratio, tied = bench(n_layer, d, mode, a.reps, a.steps, a.batch, a.seq, a.vocab, a.warmup)
+            ours, plain, ratio, tied, (lo, hi) = bench(n_layer, d, mode, a.reps, a.steps, a.batch, a.seq, a.vocab,
+                                                       a.warmup)
             rows.append((shape, mode, ours, plain, ratio, tied))
             print(f"{n_layer}L-{d}d {mode:8s}: ours {ours:9,.0f} tok/s, plain GPT-2 {plain:9,.0f} tok/s, "
-                  f"ratio {ratio:.3f}, tied as the reference {tied:.3f} (medians of {a.reps})", flush=True)
+                  f"ratio {ratio:.3f} (repetitions {lo:.3f} to {hi:.3f}), tied as the reference {tied:.3f} "
+                  f"(medians of {a.reps})", flush=True)
     return rows
 
 
