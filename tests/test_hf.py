@@ -271,3 +271,20 @@ def test_round_trip_two_ranks(launch2, tmp_path, name):
     print(f"{name}: rank 0 read {read:.3f}M of the model's {total:.3f}M values")
     assert read < 0.6 * total, (read, total)
     assert_round_trip(run_dir, folder, str(tmp_path / "out"))
+
+
+@pytest.mark.quick
+def test_planner_reads_the_shape_from_the_folder(llama_dir):
+    """tools/plan.py with model=hf train.init_from=hf:DIR plans DIR's model: every number it predicts equals the
+    planner's for the same shape written out as model.* settings (SHAPE above: SwiGLU, 2 of 4 heads for keys and
+    values, untied)."""
+    from tools import plan
+    world = ["plan.world=8", "parallel=fsdp", "parallel.tp=2", "train.seq_len=64", "data.tokenizer=hf",
+             f"data.tokenizer_dir={llama_dir[0]}"]
+    from_dir = plan.compose(["model=hf", f"train.init_from=hf:{llama_dir[0]}", *world])
+    written = plan.compose(["model=llama_tiny", "model.n_layer=2", "model.n_embd=64", "model.n_head=4",
+                            "model.n_kv_head=2", "model.ffn_hidden=128", "model.block_size=64", "model.vocab_size=320",
+                            "model.tie_embeddings=false", "model.rope_theta=500000.0", "model.norm_eps=1e-5", *world])
+    got, want = (plan.predict(c, plan.check(c), shape=plan.model_shape(c)) for c in (from_dir, written))
+    assert from_dir.model.n_kv_head == 2 and from_dir.model.mlp == "swiglu"
+    assert got == want and got["state"] > 0
