@@ -295,7 +295,8 @@ def layout_problem(cfg, layout, dtype, cpu_bf16=True, bf16=True):
     from data import prepare
     t = cfg.train
     return layout.problem(cfg.parallel, model_config(cfg, prepare.vocab_size(cfg.data)), t.seq_len,
-                          t.global_batch_size, t.micro_batch_size, t.compile, dtype, cpu_bf16=cpu_bf16, bf16=bf16)
+                          t.global_batch_size, t.micro_batch_size, t.compile, dtype, cpu_bf16=cpu_bf16, bf16=bf16,
+                          ac=t.activation_checkpointing)
 
 
 def rules(cfg, world, dtype, cpu_bf16=True, bf16=True):

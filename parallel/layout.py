@@ -235,11 +235,12 @@ class Layout:
 
     # --- the rule book
     def problem(self, p, model, seq_len, global_batch=None, micro_batch=None, compile_=False, dtype="float32",
-                cpu_bf16=True, bf16=True):
+                cpu_bf16=True, bf16=True, ac="none"):
         """Why this layout can't run, in one line, or None. `p`: the parallel settings (their knobs); `model`: the
         GPTConfig the run builds (layers, heads, widths, padded vocab); `seq_len`: train.seq_len; the batch
         (train.global_batch_size, micro_batch_size) where it is known; `compile_`: train.compile; `dtype`:
-        train.dtype resolved; `bf16`: whether the device computes in bfloat16 (`cpu_bf16`: whether the CPU can)."""
+        train.dtype resolved; `bf16`: whether the device computes in bfloat16 (`cpu_bf16`: whether the CPU can);
+        `ac`: train.activation_checkpointing."""
         for rule in (self._degrees_problem(p), self._strategy_problem(p, dtype, compile_),
                      self._tp_problem(p, model, seq_len, compile_), self._cp_problem(p, seq_len, compile_),
                      self._fsdp_problem(p, model, cpu_bf16), self._dtype_problem(p, dtype, bf16),
@@ -251,7 +252,7 @@ class Layout:
         if global_batch % (micro_batch * self.dp):
             return (f"train.global_batch_size={global_batch} is not divisible by micro_batch_size ({micro_batch}) x "
                     f"data-parallel ranks ({self.dp})")
-        return self._pp_problem(p, model, global_batch // (micro_batch * self.dp))
+        return self._pp_problem(p, model, global_batch // (micro_batch * self.dp), ac)
 
     def _degrees_problem(self, p):
         if self.dp_replicate > 1 and self.data != "fsdp":
@@ -395,7 +396,7 @@ class Layout:
                     "parallel.param_dtype=float32")
         return None
 
-    def _pp_problem(self, p, model, micro_batches):
+    def _pp_problem(self, p, model, micro_batches, ac="none"):
         """A pipeline's rules; `micro_batches`: per step and dp rank. Stages may hold unequal numbers of blocks
         (parallel/pp.py split_blocks: as even as they go), never none."""
         from parallel.pp import split_blocks
@@ -413,6 +414,10 @@ class Layout:
             return (f"parallel.pp_schedule=interleaved_1f1b sends micro-batches through each chunk in groups of "
                     f"pp={pp}, but a step has {micro_batches} (train.global_batch_size / (micro_batch_size x dp)); "
                     f"make it a multiple of {pp}")
+        if s == "zero_bubble" and ac == "selective":  # seen: "Trying to backward an extra time"
+            return ("train.activation_checkpointing=selective with parallel.pp_schedule=zero_bubble: zero-bubble "
+                    "runs each block's backward twice (B for the input gradient, W for the weights), and torch's "
+                    "selective checkpointing allows one; use full or every_n, or another schedule")
         if self.tp > 1 and self.impl == "torch":
             return ("parallel.pp > 1 with parallel.tp > 1 and parallel.impl=torch is not built yet (torch's tensor "
                     "parallel is not wired to the stage split); use parallel.impl=scratch")

@@ -1,5 +1,6 @@
-"""Llama-shaped models (model.py: grouped-query attention, SwiGLU, q/k/v biases, a tied embedding) under every
-strategy, each equal to parallel=single step for step (loss, grad_norm) and in its final weights; the context
+"""Llama-shaped models (model.py: grouped-query attention, SwiGLU, q/k/v biases, a tied embedding) under the
+strategies that split or shard the biases, and a tied embedding under ddp and zero2 (every other layout on a Llama
+without biases: tests/test_matrix.py), each equal to parallel=single step for step (loss, grad_norm) and in its final weights; the context
 parallel ring's bytes with only the key/value heads; the layouts that refuse a tied embedding, in one line; the
 presets' shapes. The runs join the session's shared world-2 and world-4 launches (conftest.launch_jobs)."""
 import pytest
@@ -17,29 +18,21 @@ LLAMA = ("model.n_head=4", "model.n_kv_head=2", "model.mlp=swiglu", "model.ffn_h
          f"train.max_steps={STEPS}", "train.eval_every=100", "train.log_every=1")
 TIED = ("model.tie_embeddings=true",)
 SP = ("parallel.sequence_parallel=true",)
-# name: (world, overrides); world 2 unless the layout needs 4 (fsdp x tp), each in its world's one shared launch
+# name: (world, overrides). The layouts without biases or a tied embedding, torch's twins, compile, checkpointing
+# and bf16 are tests/test_matrix.py's (its Llama has no q/k/v biases); these are the strategies that split or shard
+# the biases (FSDP's units, tp's head-wise split, the pipeline's stages, both at once), and the tied embedding where
+# every rank holds the whole model. Each joins its world's one shared launch
 LAYOUTS = {
-    "ddp": (2, ["parallel=ddp"]), "zero1": (2, ["parallel=zero1"]), "zero2": (2, ["parallel=zero2"]),
     "fsdp": (2, ["parallel=fsdp"]),
-    "hsdp": (2, ["parallel=hsdp", "parallel.dp_replicate=2", "parallel.dp_shard=1"]),
     "tp_sp": (2, ["parallel=tp", *SP]),
     "cp_ring": (2, ["parallel=cp"]), "cp_allgather": (2, ["parallel=cp", "parallel.cp_method=allgather"]),
     "pp": (2, ["parallel=pp"]),
-    # torch's twins: DistributedDataParallel, ZeroRedundancyOptimizer, FSDP2 (zero2, fsdp), DTensor tp, pipelining
-    "ddp_torch": (2, ["parallel=ddp", "parallel.impl=torch"]),
-    "zero1_torch": (2, ["parallel=zero1", "parallel.impl=torch"]),
-    "zero2_torch": (2, ["parallel=zero2", "parallel.impl=torch"]),
-    "fsdp_torch": (2, ["parallel=fsdp", "parallel.impl=torch"]),
-    "tp_sp_torch": (2, ["parallel=tp", "parallel.impl=torch", *SP]),
-    "pp_torch": (2, ["parallel=pp", "parallel.impl=torch"]),
     "fsdp_tp": (4, ["parallel=fsdp", "parallel.tp=2", *SP]),
-    "fsdp_tp_torch": (4, ["parallel=fsdp", "parallel.tp=2", "parallel.impl=torch"]),
-    # a tied embedding where every rank holds the whole model
     "ddp_tied": (2, ["parallel=ddp", *TIED]), "zero2_tied": (2, ["parallel=zero2", *TIED]),
 }
 # final weights: tensor parallel sums input gradients in another order than one process, and Adam magnifies that
 # rounding where gradients are tiny (as in tests/test_tp.py)
-ATOL = {"tp_sp": 1e-5, "tp_sp_torch": 1e-5, "fsdp_tp": 1e-5, "fsdp_tp_torch": 1e-5}
+ATOL = {"tp_sp": 1e-5, "fsdp_tp": 1e-5}
 
 
 def overrides(name):
