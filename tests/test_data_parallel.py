@@ -114,10 +114,16 @@ def test_equal_to_single_and_to_theory(single, runs, strategy, impl, world):
           f"state {steps[-1]['state_bytes_max'] / P:.2f} bytes/param")
 
 
+# about 10x the gaps to float32 single measured over 6 steps (2026-12-03; ddp and zero2 alike): loss 9.3e-7,
+# grad_norm 6.0e-5 (each micro-step's gradients rounded to bf16 before they are summed), val_loss 2.4e-7. Dropping
+# DDP's copy of the reduced bf16 gradients back into .grad puts grad_norm 24-31% off from step 1
+BF16_REDUCE_RTOL = {"loss": 1e-5, "grad_norm": 6e-4, "val_loss": 3e-6}
+
+
 @pytest.mark.parametrize("strategy", BF16)
 def test_bf16_reduction(single, runs, strategy):
-    """Gradients communicated in bfloat16: half the gradient bytes, and the loss still tracks float32 closely.
-    ZeRO's all-gather moves parameters, which stay float32: 2P (bf16 reduce-scatter) + 4P bytes."""
+    """Gradients communicated in bfloat16: half the gradient bytes, and loss, grad_norm and val_loss still track
+    float32 closely. ZeRO's all-gather moves parameters, which stay float32: 2P (bf16 reduce-scatter) + 4P bytes."""
     run_dir = runs["bf16", strategy]
     records = read_metrics(run_dir)
     P = records[0]["n_params"]
@@ -126,7 +132,7 @@ def test_bf16_reduction(single, runs, strategy):
     for r in records:
         if "comm_bytes" in r:
             assert r["comm_bytes"] == pytest.approx(expected, rel=0.02)
-    torch.testing.assert_close(losses(run_dir), losses(single), rtol=2e-3, atol=0)
+    assert_same_steps(run_dir, single, rtol=BF16_REDUCE_RTOL)
 
 
 # ---- mixed precision: bf16 working weights, fp32 master weights and Adam moments in the shards ----
