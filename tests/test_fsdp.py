@@ -9,7 +9,7 @@ import parallel
 import config
 import train
 from conftest import (RUN, STEPS, assert_refused, assert_same_steps, assert_same_weights, forked, launch_jobs,
-                      losses, make_cfg, read_metrics, small_run)
+                      make_cfg, read_metrics, small_run)
 from model import GPT, GPTConfig
 from parallel.layout import Layout
 from tools import plan
@@ -142,14 +142,15 @@ def test_comm_per_step(single_one_micro, runs, case):
 
 
 def test_bf16_params_fp32_reduce(single_one_micro, runs):
-    """Gathered parameters in bfloat16 (half the all-gather bytes), gradients reduced in float32: the loss tracks
-    the float32 run within 1e-3 relative over 6 steps (5e-5 seen)."""
+    """Gathered parameters in bfloat16 (half the all-gather bytes), gradients reduced in float32: loss, grad_norm
+    and val_loss track the float32 run over 6 steps within about 10x the gaps measured (2026-12-03: 2.6e-5,
+    3.0e-4, 1.1e-5; the working weights rounded to bf16 after every step)."""
     start, records = steps(runs["bf16"])
     P = start["n_params"]
     for r in records:
         assert r["comm_bytes"] == pytest.approx(2 * (2 * P) + 4 * P, rel=0.02)  # 2 bf16 all-gathers + fp32 RS
         assert r["state_bytes_max"] == pytest.approx(16 * P / 2, rel=0.05)  # shards stay float32
-    torch.testing.assert_close(losses(runs["bf16"]), losses(single_one_micro), rtol=1e-3, atol=0)
+    assert_same_steps(runs["bf16"], single_one_micro, rtol={"loss": 2.5e-4, "grad_norm": 3e-3, "val_loss": 1e-4})
 
 
 @pytest.mark.parametrize("impl", ["scratch", "torch"])
@@ -159,8 +160,9 @@ def test_cpu_offload_same_losses(single, runs, impl):
 
 
 def test_wrap_granularity(single, runs):
-    """Both blocks in one unit (3 units: embedding, blocks, norm + head): the same numbers."""
+    """Both blocks in one unit (3 units: embedding, blocks, norm + head): the same numbers and weights."""
     assert_same_steps(runs["wrap"], single)
+    assert_same_weights(runs["wrap"], single)
 
 
 def saved_bytes_and_grads(mode):
