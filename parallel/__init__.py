@@ -125,7 +125,7 @@ def parallelize(model, layout, p, mesh, make_optimizer, device, train):
     apply_activation_checkpointing(model, train.activation_checkpointing, train.ac_every)
     if train.compile:
         apply_compile(model, tensor_parallel=dims["tp"] > 1,
-                      split_backward=dims["pp"] > 1 and layout.impl == "scratch" and p.pp_schedule == "zero_bubble")
+                      split_backward=dims["pp"] > 1 and p.pp_schedule == "zero_bubble")
     # 5. data parallel: ours FSDP materializes one shard at a time; everything else materializes here first. One
     # replica (parallel=single, or tensor parallel alone) needs no strategy; FSDP runs on one rank too, to be timed
     init_param = par_tp.init_param or model.init_param
@@ -185,9 +185,10 @@ def apply_compile(model, tensor_parallel=False, split_backward=False):
       dynamo traces into the gathers and breaks on them.
     - under our tensor parallel, whose f and g sit at the attention's and MLP's boundaries (and in the loss):
       their forwards, the hooks outside.
-    `split_backward`: our zero-bubble schedule, whose B pass takes the input gradient alone and keeps the graph for
-    the W pass (retain_graph=True). AOT autograd frees ("donates") a compiled backward's saved activations as it
-    runs, which a kept graph forbids (a RuntimeError at the first B pass, seen under pp x tp): this process compiles
+    `split_backward`: the zero-bubble schedules, ours and torch's (ScheduleInterleavedZeroBubble), whose B pass takes
+    the input gradient alone and keeps the graph for the W pass (retain_graph=True). AOT autograd frees ("donates") a
+    compiled backward's saved activations as it runs, which a kept graph forbids (a RuntimeError at the first B
+    pass, seen under both): this process compiles
     without donation from here on, and drops graphs an earlier run in it compiled with donation (a process of
     tools/jobs.py runs many jobs, and dynamo would reuse them). Compiled against eager for every strategy:
     docs/compile.md, from `python -m tools.bench --compile`."""
