@@ -232,8 +232,9 @@ def losses(run_dir, key="loss"):
 
 def assert_same_steps(run_dir, ref_dir, rtol=1e-5):
     """Per-step loss and gradient norm equal to the reference run's, and the validation loss at each evaluation
-    (one validation set whatever the layout: train.eval_batch_size), within rtol (or rtol[key]). The norm is what sees a gradient scaled wrong
-    (a sum where a mean belongs): AdamW with clipping makes the losses nearly blind to it."""
+    (one validation set whatever the layout: train.eval_batch_size), within rtol (or rtol[key]). The norm is what
+    sees a gradient scaled wrong (a sum where a mean belongs): AdamW with clipping makes the losses nearly blind to
+    it."""
     import torch
     for key in ("loss", "grad_norm", "val_loss"):
         got, ref = losses(run_dir, key), losses(ref_dir, key)

@@ -1,8 +1,9 @@
 """Llama-shaped models (model.py: grouped-query attention, SwiGLU, q/k/v biases, a tied embedding) under the
 strategies that split or shard the biases, and a tied embedding under ddp and zero2 (every other layout on a Llama
-without biases: tests/test_matrix.py), each equal to parallel=single step for step (loss, grad_norm) and in its final weights; the context
-parallel ring's bytes with only the key/value heads; the layouts that refuse a tied embedding, in one line; the
-presets' shapes. The runs join the session's shared world-2 and world-4 launches (conftest.launch_jobs)."""
+without biases: tests/test_matrix.py), each equal to parallel=single step for step (loss, grad_norm) and in its
+final weights; the context parallel ring's bytes with only the key/value heads; the layouts that refuse a tied
+embedding, in one line; the presets' shapes. The runs join the session's shared world-2 and world-4 launches
+(conftest.launch_jobs)."""
 import pytest
 import torch
 

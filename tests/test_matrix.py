@@ -177,11 +177,11 @@ def base(n_layer):
     without its q/k/v biases. The key bias's gradient is zero in exact arithmetic (q.b_k adds the same to every
     score of a query's row, and softmax ignores that), so what it gets is rounding, and AdamW's first steps turn
     any rounding into a step of about lr: the bias would differ from single's by 6e-4 under a layout that sums in
-    another order (seen). test_llama.py proves the biases under every strategy."""
+    another order (seen). test_llama.py proves the biases under the strategies that split or shard them."""
     return small_run(*LLAMA, "model.n_embd=32", "model.qkv_bias=false", f"model.n_layer={n_layer}")
 
 
-def problem(case, n_layer, ac="none"):
+def problem(case, n_layer):
     """The rule book's line for a case on the n_layer-block model (parallel/layout.py Layout.problem), or None."""
     from parallel.layout import Layout
     cfg, model = shapes()[n_layer]
@@ -190,19 +190,18 @@ def problem(case, n_layer, ac="none"):
     layout = Layout(case["world"], *(case[k] for k in DEGREES), data=case["data"], impl=case["impl"])
     t = cfg.train
     return layout.problem(p, model, t.seq_len, t.global_batch_size, t.micro_batch_size, case["compile"],
-                          case["dtype"], ac=ac)
+                          case["dtype"], ac=case["ac"])
 
 
 def n_layer(case):
     """2 blocks, or 4 where the rule book wants more (a pipeline of 4 stages, or interleaved); None: refused."""
-    return next((n for n in (2, 4) if problem(case, n, case["ac"]) is None), None)
+    return next((n for n in (2, 4) if problem(case, n) is None), None)
 
 
 @lru_cache(maxsize=None)
 def rule_book():
     """(every case the rule book accepts at world 2, 4 and 8, with its n_layer; every refusal line met). The
-    schedule, cp method and sequence parallel vary only where they mean something; each accepted case is tried
-    with every checkpointing mode."""
+    schedule, cp method and sequence parallel vary only where they mean something."""
     from parallel.layout import CP_METHODS, DATA_STRATEGIES, IMPLS, PP_SCHEDULES
     accepted, refusals = [], set()
     for world in (2, 4, 8):
@@ -212,18 +211,14 @@ def rule_book():
                     DATA_STRATEGIES, IMPLS, PP_SCHEDULES if d["pp"] > 1 else ("1f1b",),
                     CP_METHODS if d["cp"] > 1 else ("ring",), (False, True) if d["tp"] > 1 else (False,),
                     ("float32", "bfloat16"), (False, True)):
-                case = dict(DEFAULTS, **d, world=world, data=data, impl=impl, schedule=schedule, cp_method=cp_method,
-                            sp=sp, dtype=dtype, compile=compile_)
-                layers = n_layer(case)
-                if layers is None:
-                    refusals.add(problem(case, 4))
-                    continue
-                for ac in AC_MODES:  # checkpointing: a rule of the pipeline's (zero-bubble's two backwards)
-                    why = problem(case, layers, ac)
-                    if why:
-                        refusals.add(why)
+                for ac in AC_MODES:
+                    case = dict(DEFAULTS, **d, world=world, data=data, impl=impl, schedule=schedule,
+                                cp_method=cp_method, sp=sp, dtype=dtype, compile=compile_, ac=ac)
+                    layers = n_layer(case)
+                    if layers is None:
+                        refusals.add(problem(case, 4))
                     else:
-                        accepted.append(dict(case, ac=ac, n_layer=layers))
+                        accepted.append(dict(case, n_layer=layers))
     return accepted, refusals
 
 
@@ -277,10 +272,6 @@ def singles(tmp_path_factory):
     return get
 
 
-def tolerances(case):
-    return TOL_BF16 if case["dtype"] == "bfloat16" else TOL
-
-
 def check(launch, singles, case):
     """The case's run is the layout it names, and equal to single's on its model and dtype."""
     c = parse(case)
@@ -289,7 +280,7 @@ def check(launch, singles, case):
     assert start["world_size"] == c["world"] and len(losses(run_dir)) == STEPS, start
     assert {k: start[k] for k in (*DEGREES, "data", "impl")} == {k: c[k] for k in (*DEGREES, "data", "impl")}
     ref = singles(n_layer(c), c["dtype"])
-    tol = tolerances(c)
+    tol = TOL_BF16 if c["dtype"] == "bfloat16" else TOL
     gaps = {k: float(((losses(run_dir, k) - losses(ref, k)).abs() / losses(ref, k)).max())
             for k in ("loss", "grad_norm", "val_loss")}
     got, want = final_weights(run_dir), final_weights(ref)

@@ -217,7 +217,7 @@ def test_pipeline_with_context_parallel(runs, single_pp, schedule, data):
     """pp=2 x cp=2: each cp rank streams its zig-zag pieces of every micro-batch through the stages (to the same cp
     rank of the next stage), the ring runs within each stage, the gradients are reduced over cp: single's steps
     and weights, and the p2p traffic of activations 1/cp as long."""
-    (dirs, launch), (ref, _) = runs, single_pp
+    (dirs, _), (ref, _) = runs, single_pp
     run_dir = dirs[CP_IDS[CP_CASES.index((schedule, data))]]
     assert_steps(run_dir, ref, 1, STEPS)
     # measured 2026-12-01: all but 2 of the 0.46M weights within 4e-7 of single's after 3 AdamW steps, those two

@@ -172,7 +172,6 @@ def test_selective_checkpointing_recomputes_the_cheap_ops(tmp_path):
 
     import parallel
     from model import GPT
-    from tools.cp_memory import saved_bytes
     runs = {}
     for mode in ("none", "selective"):
         runs[mode] = str(tmp_path / mode)
