@@ -30,10 +30,15 @@ TWIN = {("zero1", "scratch"): ("zero2", "torch"), ("zero1", "torch"): ("ddp", "t
 # - against float32: bf16 rounds every matmul's inputs, and with bf16 working weights the residual stream too
 #   (loss 3.4e-6 with fp32 weights, 1.9e-5 with bf16 ones; grad_norm 7.9e-4 and 1.2e-3)
 TO_FP32 = {"loss": 1e-4, "grad_norm": 5e-3}
-# - against the twin, and against parallel=single in bf16 for the strategies whose weights stay fp32 (ddp, tp,
-#   torch's zero1): the same arithmetic but for the order of sums (0 and 2.5e-7 seen; 7.7e-8 against single)
+# - against the twin: the same arithmetic but for the order of sums (0 and 2.5e-7 seen)
 TO_TWIN = {"loss": 1e-5, "grad_norm": 1e-5}
-TO_SINGLE_BF16 = TO_TWIN
+# - against parallel=single in bf16, for the strategies whose weights stay fp32 (ddp, torch's zero1): the same
+#   arithmetic but for the order of sums, which is all for the first 3 steps (8e-8 seen). Then AdamW's g / sqrt(v)
+#   turns those fp32 roundings into weight differences that flip bf16 roundings, and the gap grows step by step, by
+#   how much depends on the CPU's bf16 kernels (2026-12-03, at step 6: loss 4.5e-6 and grad_norm 4.2e-5 with AMX,
+#   1.0e-6 and 1.8e-5 with oneDNN held to AVX512-BF16 by ONEDNN_MAX_CPU_ISA)
+TO_SINGLE_BF16 = {"loss": 5e-5, "grad_norm": 4e-4}
+FIRST_STEPS, TO_SINGLE_BF16_FIRST = 3, {"loss": 1e-6, "grad_norm": 1e-6}
 # - tensor parallel: each rank's row-parallel matmul rounds its partial sum to bf16 before the all-reduce adds them,
 #   where one process rounds the whole sum once (ours vs torch's: loss 8.3e-6, grad_norm 8.5e-5)
 TO_TWIN_TP = {"loss": 5e-5, "grad_norm": 5e-4}
@@ -75,15 +80,16 @@ def runs(launch2, tmp_path_factory):
     return dirs
 
 
-def rel_diff(run_dir, ref_dir, key):
+def rel_diff(run_dir, ref_dir, key, steps=STEPS):
+    """The largest relative difference in `key` over the first `steps` steps."""
     got, ref = losses(run_dir, key), losses(ref_dir, key)
     assert len(got) == len(ref) == STEPS, (key, len(got), len(ref))
-    return ((got - ref).abs() / ref.abs()).max().item()
+    return ((got - ref).abs() / ref.abs())[:steps].max().item()
 
 
-def assert_tracks(run_dir, ref_dir, tol, what):
+def assert_tracks(run_dir, ref_dir, tol, what, steps=STEPS):
     for key, rtol in tol.items():
-        d = rel_diff(run_dir, ref_dir, key)
+        d = rel_diff(run_dir, ref_dir, key, steps)
         print(f"{what}: {key} max relative difference {d:.2e} (tolerance {rtol:g})")
         assert d <= rtol, f"{what}: {key} differs by {d:.2e} relative, over {rtol:g}"
 
@@ -99,8 +105,12 @@ def test_bf16_tracks_float32_and_its_twin(single, runs, strategy, impl):
     if impl == "scratch" or (strategy, impl) in TWIN:
         twin = TWIN.get((strategy, impl), (strategy, "torch"))
         assert_tracks(run_dir, runs[twin], TO_TWIN_TP if strategy == "tp" else TO_TWIN, f"{strategy}/{impl} vs {'/'.join(twin)}, both bf16")
-    if working == "float32":
-        assert_tracks(run_dir, runs["single"], TO_TWIN_TP if strategy == "tp" else TO_SINGLE_BF16, f"{strategy}/{impl} vs single, both bf16")
+    if working == "float32" and strategy == "tp":
+        assert_tracks(run_dir, runs["single"], TO_TWIN_TP, f"{strategy}/{impl} vs single, both bf16")
+    elif working == "float32":
+        what = f"{strategy}/{impl} vs single, both bf16"
+        assert_tracks(run_dir, runs["single"], TO_SINGLE_BF16_FIRST, f"{what}, first {FIRST_STEPS} steps", FIRST_STEPS)
+        assert_tracks(run_dir, runs["single"], TO_SINGLE_BF16, what)
 
 
 # Where torch's twin does other than ours (and than the planner, which models ours), bytes per step or per rank for

@@ -91,26 +91,30 @@ def test_prediction_equals_measurement(tmp_path, strategy, world, extra):
     assert shape["n_params"] == start["n_params"] and predicted["accum"] == start["grad_accum"]
     assert len(steps) == 2
     for r in steps:
-        assert r["state_bytes"] == pytest.approx(predicted["state"], rel=0.05)
-        assert r["comm_bytes"] == pytest.approx(predicted["comm_total"], rel=0.05)
+        # within 1e-3: rank 0's share of the norm gains and of their sequence-parallel sums differs from the mean the
+        # planner counts (4e-4 of the comm under fsdp_tp with sequence parallel; everything else within 1e-4)
+        assert r["state_bytes"] == pytest.approx(predicted["state"], rel=1e-3)
+        assert r["comm_bytes"] == pytest.approx(predicted["comm_total"], rel=1e-3)
         if start["parallel"] == "hsdp":  # by mesh dimension: within dp_shard, and across dp_replicate
             for (dim, kind), v in predicted["comm"].items():
-                assert r[f"comm_{dim}_{kind}"] == pytest.approx(v, rel=0.02), (dim, kind)
+                assert r[f"comm_{dim}_{kind}"] == pytest.approx(v, rel=1e-3), (dim, kind)
         if start["pp"] > 1:  # rank 0 is the first stage's; the largest stage's state is the max over ranks
             stages = predicted["pp_ranks"]
-            assert r["state_bytes"] == pytest.approx(stages[0]["state"], rel=0.01)
-            assert r["state_bytes_max"] == pytest.approx(max(s["state"] for s in stages), rel=0.01)
-            assert r["comm_pp_p2p"] == pytest.approx(stages[0]["p2p_total"], rel=0.01)  # its sends and receives
-            assert r["p2p_bytes_pipeline"] == pytest.approx(predicted["p2p_pipeline"], rel=0.01)
-            schedule = pp.schedule(make_cfg(*overrides).parallel.pp_schedule, start["pp"], start["grad_accum"],
-                                   predicted["pp_virtual"])
-            assert predicted["bubble"] == pp.bubble(schedule, predicted["pp_virtual"])
+            assert r["state_bytes"] == pytest.approx(stages[0]["state"], rel=1e-3)
+            assert r["state_bytes_max"] == pytest.approx(max(s["state"] for s in stages), rel=1e-3)
+            assert r["comm_pp_p2p"] == pytest.approx(stages[0]["p2p_total"], rel=1e-3)  # its sends and receives
+            assert r["p2p_bytes_pipeline"] == pytest.approx(predicted["p2p_pipeline"], rel=1e-3)
+            # the bubble of 1F1B, (p - 1) / (m + p - 1), and of the interleaved, (p - 1) / (v m + p - 1)
+            # (Narayanan et al. 2021, section 2.2), with m micro-batches on p stages of v chunks each
+            p_, m, v = start["pp"], start["grad_accum"], predicted["pp_virtual"]
+            assert predicted["bubble"] == pytest.approx((p_ - 1) / (v * m + p_ - 1), rel=1e-9), (p_, m, v)
         if start["parallel"] in ("fsdp", "fsdp_tp") and start["grad_accum"] > 1:
             # FSDP's transient under accumulation: every unit's local gradient sum (P x 4 bytes) with the units in
             # flight; the planner once left the sums out (5.6 GB per rank for gpt_1p3b at accumulation 8)
-            assert r["transient_bytes"] == pytest.approx(predicted["memory"]["transient"], rel=0.05)
-    print(f"{strategy} {' '.join(extra)} N={world}: state {steps[-1]['state_bytes'] / predicted['state']:.4f}, comm "
-          f"{steps[-1]['comm_bytes'] / max(predicted['comm_total'], 1):.4f} of predicted")
+            # (measured 2026-12-03: exact under fsdp, 1 KiB over under fsdp_tp, 2e-3)
+            assert r["transient_bytes"] == pytest.approx(predicted["memory"]["transient"], rel=5e-3)
+    print(f"{strategy} {' '.join(extra)} N={world}: state {steps[-1]['state_bytes'] / predicted['state']:.6f}, comm "
+          f"{steps[-1]['comm_bytes'] / max(predicted['comm_total'], 1):.6f} of predicted")
 
 
 @pytest.mark.parametrize("n_layer,n_embd,vocab", [(2, 64, 512), (24, 2048, 50257), (3, 96, 1000)])
@@ -147,7 +151,8 @@ def saved_for_backward(ac, n_layer=3, d=64, heads=4, vocab=256, b=2, s=32, **lla
 def test_activation_count_equals_autograd(ac, llama):
     measured, shape = saved_for_backward(ac, **llama)
     kept, _ = plan.activation_bytes(shape, 2, 32, 4, checkpointed=plan.checkpointed_fraction(ac, 3))
-    assert measured == pytest.approx(kept, rel=0.05)
+    # 0.3-0.7% over (2026-12-03): 4 KiB of the loss's the planner leaves out, at any size
+    assert measured == pytest.approx(kept, rel=0.01)
 
 
 def run_plan(*overrides):
@@ -225,7 +230,12 @@ def test_time_model():
     cfg = plan_cfg("train.micro_batch_size=1")
     nvlink, pcie = (plan.predict(cfg, plan=cluster(link=link)) for link in ("nvlink", "pcie"))
     assert nvlink["mfu"] > 0.3 and pcie["mfu"] < 0.1
-    assert nvlink["comm"] == pcie["comm"]  # the same bytes, on a slower link
+    # the bytes, on either link: 512 sequences in micro-batches of 1 on 8 ranks are 64 micro-steps, each gathering
+    # the bf16 weights twice (forward, backward: 2 x 2 P), then one float32 reduce-scatter of the summed gradients
+    P = nvlink["params_per_rank"]
+    for r in (nvlink, pcie):
+        assert r["comm"]["dp", "all_gather"] == pytest.approx(64 * 2 * 2 * P, rel=1e-9)
+        assert r["comm"]["dp", "reduce_scatter"] == pytest.approx(4 * P, rel=1e-9)
     tp = plan.predict(cfg, Layout(8, tp=8, data="ddp"), plan=cluster())
     assert tp["time"]["exposed comm"] == pytest.approx(tp["time"]["comm"])
     no_prefetch = plan.predict(plan_cfg("train.micro_batch_size=1", "parallel.prefetch=0"), plan=cluster())

@@ -275,8 +275,9 @@ def test_schedule_orders():
 
 
 def _executor_ranks():
-    """On each of 2 forked ranks, every schedule: Pipeline.step on a tiny GPT logs the schedule's own list, and
-    holds at most the list's peak of micro-batches."""
+    """On each of 2 forked ranks, every schedule: Pipeline.step on a tiny GPT gives this rank's parameters the
+    gradients that the whole model, run in this process with the same micro-batches, gives them, and the loss sum
+    (on the last stage); it holds at most the schedule's peak of micro-batches."""
     import torch
     import torch.distributed as dist
     from omegaconf import OmegaConf
@@ -285,22 +286,42 @@ def _executor_ranks():
     from parallel.strategy import materialize
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2, 1, 1, 1), mesh_dim_names=("pp", "dp", "cp", "tp"))
+    cfg = GPTConfig(vocab_size=128, block_size=16, n_layer=4, n_head=2, n_embd=16)
+    accum, micro = 4, 2
+    with torch.device("meta"):  # built on meta and drawn from seed 0, as split draws (constructors draw too)
+        whole = GPT(cfg)
+    whole.to_empty(device="cpu")
+    torch.manual_seed(0)
+    whole.init_weights()
+    x = torch.randint(0, 128, (accum * micro, 16))
+    loss_sum = 0.0
+    for xi in x.split(micro):
+        loss = whole(xi, xi)
+        (loss / accum).backward()
+        loss_sum += loss.item()
+    want = {n: q.grad for n, q in whole.named_parameters()}
     for schedule in SCHEDULES:
         p = OmegaConf.create(dict(pp_schedule=schedule, pp_virtual=2, sequence_parallel=False, impl="scratch",
                                   param_dtype="float32", data="none"))
+        torch.manual_seed(0)
         with torch.device("meta"):
-            model = GPT(GPTConfig(vocab_size=128, block_size=16, n_layer=4, n_head=2, n_embd=16))
+            model = GPT(cfg)
         pipe = pp.split(model, mesh, p, "cpu")
         materialize(model, pipe.init_param(model.init_param), "cpu")
-        x = torch.randint(0, 128, (8, 16))
-        pipe.step(x, x, 4, 2)
-        expected = pp.schedule(schedule, 2, 4, pipe.v)[pipe.rank]
-        assert pipe.log == expected, (schedule, pipe.log, expected)
+        got = pipe.step(x, x, accum, micro)
+        if pipe.rank == 1:  # the last stage sums the micro-batches' losses
+            assert got.item() == pytest.approx(loss_sum, rel=1e-6), (schedule, got.item(), loss_sum)
+        mine = dict(model.named_parameters())
+        assert mine and all(q.grad is not None for q in mine.values()), schedule
+        for n, q in mine.items():  # fp32, the same ops in the same order per micro-batch: 1e-6 holds
+            torch.testing.assert_close(q.grad, want[n], rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{schedule} {n}: {m}")
+        expected = pp.schedule(schedule, 2, accum, pipe.v)[pipe.rank]
+        assert sorted(pipe.log) == sorted(expected), schedule  # every action once
         assert pipe.peak == pp.peak_in_flight(expected), (schedule, pipe.peak)
     dist.destroy_process_group()
 
 
-def test_executor_runs_the_list():
+def test_executor_gives_the_whole_models_gradients():
     from conftest import forked
     forked(2, _executor_ranks)
 
