@@ -17,7 +17,6 @@ import parallel
 import train
 from conftest import ROOT, forked, make_cfg, needs_shared, read_metrics, small_run
 from model import GPT, GPTConfig
-from parallel import pp
 from parallel.layout import DATA_STRATEGIES, Layout, LayoutError
 from tools import cp_memory, plan
 
