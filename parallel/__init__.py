@@ -190,10 +190,17 @@ def apply_compile(model, tensor_parallel=False, split_backward=False):
     compiled backward's saved activations as it runs, which a kept graph forbids (a RuntimeError at the first B
     pass, seen under both): this process compiles
     without donation from here on, and drops graphs an earlier run in it compiled with donation (a process of
-    tools/jobs.py runs many jobs, and dynamo would reuse them). Compiled against eager for every strategy:
-    docs/compile.md, from `python -m tools.bench --compile`."""
+    tools/jobs.py runs many jobs, and dynamo would reuse them). It reads nothing from the on-disk caches either
+    (AOT autograd's and inductor's FX graph cache, under /tmp/torchinductor_$USER): their keys leave the
+    donation out, so a backward cached by any earlier compiled run of the same block (1F1B, or parallel=single)
+    came back with donation and overwrote what the W pass reads, silently (grad_norm 3e-4 off from step 0,
+    found by tests/test_matrix.py). Compiled against eager for every strategy: docs/compile.md, from
+    `python -m tools.bench --compile`."""
     if split_backward:
+        from torch._inductor import config as inductor  # not loaded until something compiles
         torch._functorch.config.donated_buffer = False
+        torch._functorch.config.enable_autograd_cache = False
+        inductor.fx_graph_cache = False
         torch._dynamo.reset()
     if tensor_parallel:
         for block in model.blocks:

@@ -32,7 +32,11 @@ DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 DEFAULTS = dict(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=1, data="none", impl="scratch", schedule="1f1b",
                 cp_method="ring", sp=False, dtype="float32", compile=False, ac="none")
 AC_MODES = ("none", "full", "every_n", "selective")
-COST = {2: 1.0, 4: 2.5, 8: 6.0}  # a job's seconds in its launch, roughly (2 cores; docs/tests.md)
+# a job's seconds in its launch, roughly (2 cores; docs/tests.md); a compiled one's more. Every rank compiles the
+# same graphs at once, so its compile takes world / 2 times as long on 2 cores (measured 2026-12-03, one fresh
+# graph: 5-14 s at world 2, 20-30 s at world 4): the covering compiles at world 2 alone
+COST = {2: 1.0, 4: 2.5, 8: 8.0}
+COMPILE_COST = {2: 8.0, 4: 1e3, 8: 1e3}
 
 # Tolerances, about 10x the largest gap measured over the cases (2026-12-03, this CPU; in the comments): relative
 # for loss, grad_norm and val_loss, absolute for the weights (each tensor's largest gap, and its mean gap).
@@ -46,66 +50,68 @@ TOL = dict(loss=2e-6, grad_norm=3e-6, val_loss=1e-6, max=3e-6, mean=3e-9)
 TOL_BF16 = dict(loss=3e-5, grad_norm=3e-3, val_loss=4e-5, max=5e-3, mean=1e-4)
 # the covering (python tests/test_matrix.py prints one), by world
 CASES = [
-    'data=ddp cp=2',  # world 2, 2 blocks
-    'data=ddp cp=2 cp_method=allgather ac=full',  # world 2, 2 blocks
-    'data=ddp dp_shard=2 ac=every_n',  # world 2, 2 blocks
-    'data=ddp pp=2 ac=every_n',  # world 2, 2 blocks
     'data=ddp pp=2 impl=torch schedule=gpipe dtype=bfloat16 ac=full',  # world 2, 2 blocks
     'data=ddp pp=2 impl=torch schedule=interleaved_1f1b dtype=bfloat16',  # world 2, 4 blocks
     'data=ddp pp=2 schedule=zero_bubble ac=every_n',  # world 2, 2 blocks
     'data=ddp tp=2 impl=torch dtype=bfloat16 ac=selective',  # world 2, 2 blocks
-    'data=ddp tp=2 sp',  # world 2, 2 blocks
-    'data=fsdp dp_replicate=2',  # world 2, 2 blocks
-    'data=fsdp dp_replicate=2 impl=torch dtype=bfloat16 compile ac=every_n',  # world 2, 2 blocks
+    'data=ddp tp=2 sp compile ac=selective',  # world 2, 2 blocks
+    'data=fsdp dp_replicate=2 ac=selective',  # world 2, 2 blocks
+    'data=fsdp dp_replicate=2 compile',  # world 2, 2 blocks
     'data=fsdp dp_shard=2 impl=deepspeed ac=full',  # world 2, 2 blocks
     'data=fsdp pp=2 dtype=bfloat16 ac=selective',  # world 2, 2 blocks
-    'data=fsdp pp=2 schedule=interleaved_1f1b ac=full',  # world 2, 4 blocks
+    'data=fsdp pp=2 schedule=interleaved_1f1b compile ac=full',  # world 2, 4 blocks
     'data=fsdp tp=2 impl=torch sp ac=every_n',  # world 2, 2 blocks
-    'data=none pp=2',  # world 2, 2 blocks
+    'data=none pp=2 compile',  # world 2, 2 blocks
     'data=none pp=2 impl=torch schedule=zero_bubble dtype=bfloat16',  # world 2, 2 blocks
+    'data=none pp=2 schedule=gpipe compile',  # world 2, 2 blocks
+    'data=none pp=2 schedule=interleaved_1f1b ac=every_n',  # world 2, 4 blocks
+    'data=none pp=2 schedule=zero_bubble compile',  # world 2, 2 blocks
     # beyond the pairs: torch's zero-bubble compiled (its B pass keeps the graph too; it crashed as ours did)
     'data=none pp=2 impl=torch schedule=zero_bubble compile',  # world 2, 2 blocks
-    'data=none pp=2 schedule=gpipe',  # world 2, 2 blocks
-    'data=none pp=2 schedule=interleaved_1f1b ac=every_n',  # world 2, 4 blocks
-    'data=none tp=2',  # world 2, 2 blocks
-    'data=none tp=2 sp ac=selective',  # world 2, 2 blocks
+    'data=none tp=2 compile ac=every_n',  # world 2, 2 blocks
+    'data=none tp=2 sp ac=full',  # world 2, 2 blocks
+    'data=zero1 cp=2 cp_method=allgather ac=selective',  # world 2, 2 blocks
     'data=zero1 cp=2 dtype=bfloat16 ac=every_n',  # world 2, 2 blocks
-    'data=zero1 cp=2 ac=selective',  # world 2, 2 blocks
+    'data=zero1 dp_shard=2 compile',  # world 2, 2 blocks
     'data=zero1 dp_shard=2 impl=deepspeed ac=every_n',  # world 2, 2 blocks
     'data=zero1 dp_shard=2 impl=deepspeed dtype=bfloat16',  # world 2, 2 blocks
-    'data=zero2 cp=2 cp_method=allgather ac=every_n',  # world 2, 2 blocks
     'data=zero2 dp_shard=2 impl=deepspeed ac=selective',  # world 2, 2 blocks
+    'data=zero2 dp_shard=2 impl=torch dtype=bfloat16 compile',  # world 2, 2 blocks
+    'data=ddp cp=2 tp=2 cp_method=allgather',  # world 4, 2 blocks
+    'data=ddp dp_shard=2 cp=2',  # world 4, 2 blocks
     'data=ddp dp_shard=2 cp=2 cp_method=allgather',  # world 4, 2 blocks
-    'data=ddp pp=2 cp=2 cp_method=allgather',  # world 4, 2 blocks
+    'data=ddp pp=2 cp=2',  # world 4, 2 blocks
     'data=ddp pp=2 dp_shard=2 schedule=interleaved_1f1b',  # world 4, 4 blocks
-    'data=ddp pp=2 tp=2 schedule=gpipe ac=every_n',  # world 4, 2 blocks
-    'data=ddp pp=2 tp=2 schedule=interleaved_1f1b compile ac=selective',  # world 4, 4 blocks
+    'data=ddp pp=2 tp=2',  # world 4, 2 blocks
+    'data=ddp pp=2 tp=2 schedule=interleaved_1f1b sp ac=selective',  # world 4, 4 blocks
     'data=fsdp dp_replicate=2 cp=2',  # world 4, 2 blocks
-    'data=fsdp dp_replicate=2 cp=2 cp_method=allgather ac=selective',  # world 4, 2 blocks
+    'data=fsdp dp_replicate=2 tp=2 impl=torch dtype=bfloat16 ac=every_n',  # world 4, 2 blocks
     'data=fsdp pp=2 cp=2 schedule=gpipe ac=selective',  # world 4, 2 blocks
     'data=fsdp pp=2 dp_replicate=2',  # world 4, 2 blocks
+    'data=fsdp pp=2 dp_replicate=2 schedule=gpipe',  # world 4, 2 blocks
     'data=fsdp pp=2 dp_replicate=2 schedule=interleaved_1f1b',  # world 4, 4 blocks
-    'data=fsdp pp=2 dp_replicate=2 schedule=zero_bubble',  # world 4, 2 blocks
-    'data=none pp=2 tp=2 schedule=interleaved_1f1b sp',  # world 4, 4 blocks
+    'data=none pp=2 tp=2 schedule=gpipe sp ac=selective',  # world 4, 2 blocks
+    'data=none pp=2 tp=2 schedule=interleaved_1f1b',  # world 4, 4 blocks
     'data=none pp=2 tp=2 schedule=zero_bubble',  # world 4, 2 blocks
-    'data=none pp=2 tp=2 schedule=zero_bubble sp compile ac=full',  # world 4, 2 blocks
+    'data=none pp=2 tp=2 schedule=zero_bubble sp',  # world 4, 2 blocks
+    'data=none pp=2 tp=2 sp',  # world 4, 2 blocks
     'data=zero1 cp=2 tp=2 sp',  # world 4, 2 blocks
     'data=zero1 dp_shard=4 impl=deepspeed',  # world 4, 2 blocks
     'data=zero1 pp=2 cp=2 schedule=interleaved_1f1b',  # world 4, 4 blocks
-    'data=zero1 pp=2 cp=2 schedule=zero_bubble cp_method=allgather',  # world 4, 2 blocks
+    'data=zero1 pp=2 cp=2 schedule=zero_bubble',  # world 4, 2 blocks
     'data=zero1 pp=2 dp_shard=2 impl=torch ac=full',  # world 4, 2 blocks
+    'data=zero2 cp=2 tp=2 ac=full',  # world 4, 2 blocks
     'data=zero2 cp=2 tp=2 cp_method=allgather sp dtype=bfloat16',  # world 4, 2 blocks
+    'data=zero2 pp=2 cp=2 cp_method=allgather ac=every_n',  # world 4, 2 blocks
+    'data=zero2 pp=2 cp=2 schedule=gpipe cp_method=allgather ac=every_n',  # world 4, 2 blocks
     'data=zero2 pp=2 cp=2 schedule=interleaved_1f1b cp_method=allgather',  # world 4, 4 blocks
-    'data=zero2 pp=2 cp=2 schedule=zero_bubble',  # world 4, 2 blocks
-    'data=zero2 pp=2 dp_shard=2 impl=torch schedule=gpipe compile',  # world 4, 2 blocks
-    'data=ddp pp=2 dp_shard=2 cp=2 schedule=zero_bubble',  # world 8, 2 blocks
-    'data=fsdp dp_replicate=2 dp_shard=2 tp=2 impl=torch ac=full',  # world 8, 2 blocks
-    'data=fsdp pp=2 dp_replicate=2 tp=2 schedule=gpipe sp',  # world 8, 2 blocks
+    'data=zero2 pp=2 dp_shard=2 schedule=zero_bubble',  # world 4, 2 blocks
+    'data=ddp cp=4 tp=2',  # world 8, 2 blocks
+    'data=fsdp dp_replicate=2 dp_shard=2 tp=2 impl=torch sp',  # world 8, 2 blocks
+    'data=fsdp pp=2 dp_replicate=2 cp=2 schedule=zero_bubble cp_method=allgather ac=full',  # world 8, 2 blocks
     'data=none pp=4 tp=2 schedule=gpipe',  # world 8, 4 blocks
-    'data=zero1 dp_shard=8 impl=deepspeed',  # world 8, 2 blocks
-    'data=zero1 pp=2 cp=2 tp=2 schedule=gpipe cp_method=allgather',  # world 8, 2 blocks
-    'data=zero1 pp=2 dp_shard=2 tp=2 sp compile',  # world 8, 2 blocks
-    'data=zero2 pp=2 cp=2 tp=2 ac=full',  # world 8, 2 blocks
+    'data=zero1 pp=2 dp_shard=2 tp=2 schedule=gpipe',  # world 8, 2 blocks
+    'data=zero2 dp_shard=8 impl=deepspeed',  # world 8, 2 blocks
 ]
 
 
@@ -224,16 +230,19 @@ def rule_book():
 
 def covering(accepted, have=()):
     """Cases that cover every pair `accepted` covers, beyond those of `have`: greedily, the most new pairs per
-    second of launch (compile costs a few seconds more)."""
+    second of launch."""
     left = set().union(*map(pairs, accepted)) - set().union(set(), *map(pairs, have))
-    cost = [COST[c["world"]] * (1 + c["n_layer"] / 4) + 3 * c["compile"] for c in accepted]
+    cost = [COST[c["world"]] * (1 + c["n_layer"] / 4) + COMPILE_COST[c["world"]] * c["compile"] for c in accepted]
     covers = [pairs(c) for c in accepted]
-    chosen = []
+    chosen, need = [], set(left)
     while left:
         i = max(range(len(accepted)), key=lambda i: len(covers[i] & left) / cost[i])
-        chosen.append(accepted[i])
+        chosen.append(i)
         left -= covers[i]
-    return chosen
+    for i in sorted(chosen, key=lambda i: -cost[i]):  # then drop, dearest first, a case the others make redundant
+        if need <= set().union(*(covers[j] for j in chosen if j != i)):
+            chosen.remove(i)
+    return [accepted[i] for i in chosen]
 
 
 def overrides(case):
