@@ -145,56 +145,132 @@ def assert_refused(tmp_path, overrides, world, message):
     assert not (tmp_path / "run").exists()
 
 
-def torchrun_jobs(nproc, jobs, timeout=600):
-    """Several train.py jobs [(run dir, [overrides])] on nproc local ranks (gloo), in one torchrun launch
-    (tools/jobs.py): torch, Hydra and W&B start once per rank for all of them. Returns the CompletedProcess."""
-    from tools import jobs as job_runner
-    start = time.time()
-    p = job_runner.launch(nproc, jobs, timeout=timeout)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    if os.environ.get("JOB_TIMES"):  # where a launch's time goes: JOB_TIMES=FILE pytest ... gets one line per job
-        with open(os.environ["JOB_TIMES"], "a") as f:
-            f.write(f"launch of {nproc} ranks, {len(jobs)} jobs: {time.time() - start:.1f} s\n")
-            f.writelines(line + "\n" for line in p.stdout.splitlines() if line.endswith(tuple(d for d, _ in jobs))
-                         and " s for " in line)
-    return p
-
-
-# --- one launch per world size for the whole session. Each rank spends seconds importing torch, Hydra and W&B, and
-# the agent does too: the test files' equivalence runs of one world size share a single torchrun_jobs launch. A test
-# module registers its jobs with @launch_jobs(world); the fixture launch<world> runs the jobs of every module whose
-# selected tests use it (`pytest -m quick`: the quick tier's alone; one file: that file's), module by module
+# --- one launch per world size for the whole session, run while the in-process tests run. Each rank spends seconds
+# importing torch, Hydra and W&B, and the agent does too: the test files' equivalence runs of one world size share a
+# single launch (tools/jobs.py: several train.py jobs in one torchrun launch and one process group). A test module
+# registers its jobs with @launch_jobs(world); the launches hold the jobs of every module whose selected tests use
+# the fixture launch<world> (`pytest -m quick`: the quick tier's alone; one file: that file's), module by module.
+# They start with the session, one after another (2, 4, 8: a world-4 job may resume a world-2 job's checkpoint),
+# and the tests that read them run last: meanwhile the in-process tests run, which use one core each and would
+# leave the other idle.
 LAUNCHES = {}
+WORLDS = (2, 4, 8)
 
 
 def launch_jobs(world):
     """Registers fn(root, request) -> {key: (run dir, overrides)} as its module's jobs in the session's launch of
-    `world` ranks; they run in that order. fn may ask request.getfixturevalue for session fixtures (single,
-    launch2: a world-4 job may resume a world-2 job's checkpoint)."""
+    `world` ranks; they run in that order. fn may ask request.getfixturevalue for session fixtures (single; and
+    launch2, which gives a world-4 job the world-2 jobs' run dirs: it may resume one's checkpoint)."""
     def register(fn):
         LAUNCHES.setdefault(world, {})[fn.__module__] = fn
         return fn
     return register
 
 
+def launch_users(items, world):
+    return {item.module.__name__ for item in items
+            if f"launch{world}" in getattr(item, "fixturenames", ()) and getattr(item, "module", None)}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """The tests that read a launch go last, in their order: the launches run while the others do."""
+    users = [item for item in items if any(f"launch{w}" in getattr(item, "fixturenames", ()) for w in WORLDS)]
+    ids = {id(item) for item in users}
+    items[:] = [item for item in items if id(item) not in ids] + users
+
+
+class Background:
+    """The session's launches: planned at its start (each module's jobs and run dirs), run one after another in the
+    background, each awaited by its fixture. Nothing runs in a thread (forked ranks don't mix with threads): a
+    launch starts when the one before it is seen to end, by any test's setup or a fixture's wait."""
+
+    def __init__(self, request, tmp_path_factory):
+        self.plans, self.queue, self.running, self.done = {}, [], None, {}
+        for world in WORLDS:
+            users = launch_users(request.session.items, world) & LAUNCHES.get(world, {}).keys()
+            if not users:
+                continue
+            root, dirs, jobs = tmp_path_factory.mktemp(f"launch{world}"), {}, []
+            for module in sorted(users):
+                these = LAUNCHES[world][module](root / module, _Planned(request, self))
+                dirs[module] = {key: run_dir for key, (run_dir, _) in these.items()}
+                jobs += these.values()
+            self.plans[world] = dirs
+            self.queue.append((world, jobs))
+        self.poll()
+
+    def poll(self):
+        """Collect the launch under way if it has ended, and start the next."""
+        from tools import jobs as job_runner
+        if self.running is not None:
+            world, jobs, started, t0 = self.running
+            if started.proc.poll() is None:
+                return
+            self.done[world] = started.finish(), jobs, time.time() - t0
+            self.running = None
+        if self.queue:
+            world, jobs = self.queue.pop(0)
+            self.running = world, jobs, job_runner.start(world, jobs), time.time()
+
+    def wait(self, world):
+        """{module name: ({key: run dir}, the launch's CompletedProcess)} once the launch of `world` has run."""
+        assert world in self.plans, f"no test selected uses launch{world}"
+        while world not in self.done:
+            if self.running and time.time() - self.running[3] > max(600, 60 * len(self.running[1])):
+                self.running[2].proc.kill()  # a hang fails the tests instead of stalling the suite
+            self.poll()
+            time.sleep(0.2)
+        p, jobs, seconds = self.done[world]
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+        if os.environ.get("JOB_TIMES"):  # where a launch's time goes: JOB_TIMES=FILE pytest ... gets one line per job
+            with open(os.environ["JOB_TIMES"], "a") as f:
+                f.write(f"launch of {world} ranks, {len(jobs)} jobs: {seconds:.1f} s (beside the other tests)\n")
+                f.writelines(line + "\n" for line in p.stdout.splitlines()
+                             if line.endswith(tuple(d for d, _ in jobs)) and " s for " in line)
+            self.done[world] = p, [], seconds  # written once
+        return {module: (d, p) for module, d in self.plans[world].items()}
+
+
+class _Planned:
+    """The request a module's jobs function sees while the launches are planned: launch<world> gives the planned
+    run dirs ({module: ({key: run dir}, None)}) of an earlier launch, everything else is the session's fixture."""
+
+    def __init__(self, request, background):
+        self.request, self.background = request, background
+
+    def getfixturevalue(self, name):
+        if name.startswith("launch") and name[6:].isdigit():
+            return {module: (d, None) for module, d in self.background.plans[int(name[6:])].items()}
+        return self.request.getfixturevalue(name)
+
+
+BACKGROUND = []  # the session's Background, once its first test has started
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background_launches(request, tmp_path_factory, token_cache):
+    BACKGROUND.append(Background(request, tmp_path_factory))
+    yield
+    if BACKGROUND[0].running:  # a session that ends early (-x, a ^C) leaves no launch behind
+        BACKGROUND[0].running[2].proc.kill()
+    BACKGROUND.clear()
+
+
+def pytest_runtest_setup(item):
+    if BACKGROUND:
+        BACKGROUND[0].poll()
+
+
 def shared_launch(world):
     @pytest.fixture(scope="session", name=f"launch{world}")
-    def launch(request, tmp_path_factory):
+    def launch(background_launches):
         """{module name: ({key: run dir}, the launch)} for the modules whose selected tests use this fixture."""
-        name = f"launch{world}"
-        users = {item.module.__name__ for item in request.session.items
-                 if name in getattr(item, "fixturenames", ()) and getattr(item, "module", None)}
-        root, dirs, jobs = tmp_path_factory.mktemp(name), {}, []
-        for module in sorted(users & LAUNCHES.get(world, {}).keys()):
-            these = LAUNCHES[world][module](root / module, request)
-            dirs[module] = {key: run_dir for key, (run_dir, _) in these.items()}
-            jobs += these.values()
-        p = torchrun_jobs(world, jobs, timeout=max(600, 60 * len(jobs)))
-        return {module: (d, p) for module, d in dirs.items()}
+        return BACKGROUND[0].wait(world)
     return launch
 
 
-launch2, launch4, launch8 = (shared_launch(world) for world in (2, 4, 8))
+launch2, launch4, launch8 = (shared_launch(world) for world in WORLDS)
 
 
 def pytest_collection_finish(session):
@@ -206,7 +282,7 @@ def pytest_collection_finish(session):
 
 
 def job_output(p, run_dir):
-    """What rank 0 printed during one job of torchrun_jobs' launch p."""
+    """What rank 0 printed during one job of launch p (a shared launch's CompletedProcess)."""
     return p.stdout.split(f"layouts: start {run_dir}\n", 1)[1].split(f"layouts: done {run_dir}\n", 1)[0]
 
 

@@ -32,11 +32,13 @@ DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 DEFAULTS = dict(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=1, data="none", impl="scratch", schedule="1f1b",
                 cp_method="ring", sp=False, dtype="float32", compile=False, ac="none")
 AC_MODES = ("none", "full", "every_n", "selective")
-# a job's seconds in its launch, roughly (2 cores; docs/tests.md); a compiled one's more. Every rank compiles the
-# same graphs at once, so its compile takes world / 2 times as long on 2 cores (measured 2026-12-03, one fresh
-# graph: 5-14 s at world 2, 20-30 s at world 4): the covering compiles at world 2 alone
+# a job's seconds in its launch, roughly (2 cores; docs/tests.md); a compiled one's more, by what it compiles. Every
+# rank compiles the same graphs at once, so a compile takes world / 2 times as long on 2 cores (measured 2026-12-03,
+# a block's and the loss's graphs: 5-14 s at world 2, 20-30 s at world 4): the covering compiles at world 2 alone.
+# Graphs go to inductor's on-disk cache: a case whose graphs an earlier one compiled costs little (0.3-0.8 s seen),
+# but zero-bubble compiles afresh every time (parallel/__init__.py apply_compile: it reads no cache)
 COST = {2: 1.0, 4: 2.5, 8: 8.0}
-COMPILE_COST = {2: 8.0, 4: 1e3, 8: 1e3}
+COMPILE_COST = {"fresh": 8.0, "cached": 0.5, "zero_bubble": 5.0, "world>2": 1e3}
 
 # Tolerances, about 10x the largest gap measured over the cases (2026-12-03, this CPU; in the comments): relative
 # for loss, grad_norm and val_loss, absolute for the weights (each tensor's largest gap, and its mean gap).
@@ -50,68 +52,69 @@ TOL = dict(loss=2e-6, grad_norm=3e-6, val_loss=1e-6, max=3e-6, mean=3e-9)
 TOL_BF16 = dict(loss=3e-5, grad_norm=3e-3, val_loss=4e-5, max=5e-3, mean=1e-4)
 # the covering (python tests/test_matrix.py prints one), by world
 CASES = [
+    'data=ddp cp=2 cp_method=allgather ac=full',  # world 2, 2 blocks
     'data=ddp pp=2 impl=torch schedule=gpipe dtype=bfloat16 ac=full',  # world 2, 2 blocks
     'data=ddp pp=2 impl=torch schedule=interleaved_1f1b dtype=bfloat16',  # world 2, 4 blocks
+    'data=ddp pp=2 schedule=interleaved_1f1b compile ac=full',  # world 2, 4 blocks
     'data=ddp pp=2 schedule=zero_bubble ac=every_n',  # world 2, 2 blocks
     'data=ddp tp=2 impl=torch dtype=bfloat16 ac=selective',  # world 2, 2 blocks
-    'data=ddp tp=2 sp compile ac=selective',  # world 2, 2 blocks
-    'data=fsdp dp_replicate=2 ac=selective',  # world 2, 2 blocks
-    'data=fsdp dp_replicate=2 compile',  # world 2, 2 blocks
+    'data=ddp tp=2 sp',  # world 2, 2 blocks
+    'data=fsdp dp_replicate=2 compile ac=full',  # world 2, 2 blocks
     'data=fsdp dp_shard=2 impl=deepspeed ac=full',  # world 2, 2 blocks
     'data=fsdp pp=2 dtype=bfloat16 ac=selective',  # world 2, 2 blocks
-    'data=fsdp pp=2 schedule=interleaved_1f1b compile ac=full',  # world 2, 4 blocks
-    'data=fsdp tp=2 impl=torch sp ac=every_n',  # world 2, 2 blocks
-    'data=none pp=2 compile',  # world 2, 2 blocks
-    'data=none pp=2 impl=torch schedule=zero_bubble dtype=bfloat16',  # world 2, 2 blocks
-    'data=none pp=2 schedule=gpipe compile',  # world 2, 2 blocks
-    'data=none pp=2 schedule=interleaved_1f1b ac=every_n',  # world 2, 4 blocks
-    'data=none pp=2 schedule=zero_bubble compile',  # world 2, 2 blocks
+    'data=fsdp pp=2 schedule=interleaved_1f1b ac=selective',  # world 2, 4 blocks
+    'data=fsdp pp=2 schedule=zero_bubble compile ac=full',  # world 2, 2 blocks
     # beyond the pairs: torch's zero-bubble compiled (its B pass keeps the graph too; it crashed as ours did)
     'data=none pp=2 impl=torch schedule=zero_bubble compile',  # world 2, 2 blocks
-    'data=none tp=2 compile ac=every_n',  # world 2, 2 blocks
+    'data=none pp=2 compile ac=full',  # world 2, 2 blocks
+    'data=none pp=2 impl=torch schedule=zero_bubble dtype=bfloat16',  # world 2, 2 blocks
+    'data=none pp=2 schedule=gpipe compile ac=full',  # world 2, 2 blocks
+    'data=none pp=2 schedule=interleaved_1f1b ac=every_n',  # world 2, 4 blocks
+    'data=none tp=2 compile ac=selective',  # world 2, 2 blocks
+    'data=none tp=2 dtype=bfloat16 compile',  # world 2, 2 blocks
     'data=none tp=2 sp ac=full',  # world 2, 2 blocks
+    'data=none tp=2 sp compile ac=every_n',  # world 2, 2 blocks
     'data=zero1 cp=2 cp_method=allgather ac=selective',  # world 2, 2 blocks
     'data=zero1 cp=2 dtype=bfloat16 ac=every_n',  # world 2, 2 blocks
-    'data=zero1 dp_shard=2 compile',  # world 2, 2 blocks
+    'data=zero1 dp_shard=2 compile ac=full',  # world 2, 2 blocks
     'data=zero1 dp_shard=2 impl=deepspeed ac=every_n',  # world 2, 2 blocks
     'data=zero1 dp_shard=2 impl=deepspeed dtype=bfloat16',  # world 2, 2 blocks
     'data=zero2 dp_shard=2 impl=deepspeed ac=selective',  # world 2, 2 blocks
-    'data=zero2 dp_shard=2 impl=torch dtype=bfloat16 compile',  # world 2, 2 blocks
-    'data=ddp cp=2 tp=2 cp_method=allgather',  # world 4, 2 blocks
+    'data=zero2 dp_shard=2 impl=torch compile ac=full',  # world 2, 2 blocks
     'data=ddp dp_shard=2 cp=2',  # world 4, 2 blocks
-    'data=ddp dp_shard=2 cp=2 cp_method=allgather',  # world 4, 2 blocks
+    'data=ddp dp_shard=2 tp=2',  # world 4, 2 blocks
     'data=ddp pp=2 cp=2',  # world 4, 2 blocks
     'data=ddp pp=2 dp_shard=2 schedule=interleaved_1f1b',  # world 4, 4 blocks
     'data=ddp pp=2 tp=2',  # world 4, 2 blocks
-    'data=ddp pp=2 tp=2 schedule=interleaved_1f1b sp ac=selective',  # world 4, 4 blocks
     'data=fsdp dp_replicate=2 cp=2',  # world 4, 2 blocks
+    'data=fsdp dp_replicate=2 cp=2 cp_method=allgather ac=full',  # world 4, 2 blocks
     'data=fsdp dp_replicate=2 tp=2 impl=torch dtype=bfloat16 ac=every_n',  # world 4, 2 blocks
     'data=fsdp pp=2 cp=2 schedule=gpipe ac=selective',  # world 4, 2 blocks
     'data=fsdp pp=2 dp_replicate=2',  # world 4, 2 blocks
     'data=fsdp pp=2 dp_replicate=2 schedule=gpipe',  # world 4, 2 blocks
     'data=fsdp pp=2 dp_replicate=2 schedule=interleaved_1f1b',  # world 4, 4 blocks
+    'data=fsdp pp=2 dp_replicate=2 schedule=zero_bubble',  # world 4, 2 blocks
     'data=none pp=2 tp=2 schedule=gpipe sp ac=selective',  # world 4, 2 blocks
     'data=none pp=2 tp=2 schedule=interleaved_1f1b',  # world 4, 4 blocks
+    'data=none pp=2 tp=2 schedule=interleaved_1f1b sp',  # world 4, 4 blocks
     'data=none pp=2 tp=2 schedule=zero_bubble',  # world 4, 2 blocks
-    'data=none pp=2 tp=2 schedule=zero_bubble sp',  # world 4, 2 blocks
     'data=none pp=2 tp=2 sp',  # world 4, 2 blocks
-    'data=zero1 cp=2 tp=2 sp',  # world 4, 2 blocks
+    'data=zero1 cp=2 tp=2 cp_method=allgather',  # world 4, 2 blocks
     'data=zero1 dp_shard=4 impl=deepspeed',  # world 4, 2 blocks
+    'data=zero1 pp=2 cp=2 schedule=gpipe cp_method=allgather',  # world 4, 2 blocks
     'data=zero1 pp=2 cp=2 schedule=interleaved_1f1b',  # world 4, 4 blocks
-    'data=zero1 pp=2 cp=2 schedule=zero_bubble',  # world 4, 2 blocks
     'data=zero1 pp=2 dp_shard=2 impl=torch ac=full',  # world 4, 2 blocks
     'data=zero2 cp=2 tp=2 ac=full',  # world 4, 2 blocks
     'data=zero2 cp=2 tp=2 cp_method=allgather sp dtype=bfloat16',  # world 4, 2 blocks
     'data=zero2 pp=2 cp=2 cp_method=allgather ac=every_n',  # world 4, 2 blocks
-    'data=zero2 pp=2 cp=2 schedule=gpipe cp_method=allgather ac=every_n',  # world 4, 2 blocks
     'data=zero2 pp=2 cp=2 schedule=interleaved_1f1b cp_method=allgather',  # world 4, 4 blocks
-    'data=zero2 pp=2 dp_shard=2 schedule=zero_bubble',  # world 4, 2 blocks
+    'data=zero2 pp=2 dp_shard=2 schedule=gpipe ac=every_n',  # world 4, 2 blocks
     'data=ddp cp=4 tp=2',  # world 8, 2 blocks
-    'data=fsdp dp_replicate=2 dp_shard=2 tp=2 impl=torch sp',  # world 8, 2 blocks
-    'data=fsdp pp=2 dp_replicate=2 cp=2 schedule=zero_bubble cp_method=allgather ac=full',  # world 8, 2 blocks
+    'data=fsdp dp_replicate=2 dp_shard=2 tp=2 impl=torch sp ac=selective',  # world 8, 2 blocks
     'data=none pp=4 tp=2 schedule=gpipe',  # world 8, 4 blocks
-    'data=zero1 pp=2 dp_shard=2 tp=2 schedule=gpipe',  # world 8, 2 blocks
-    'data=zero2 dp_shard=8 impl=deepspeed',  # world 8, 2 blocks
+    'data=zero1 dp_shard=8 impl=deepspeed',  # world 8, 2 blocks
+    'data=zero1 pp=2 cp=2 tp=2 schedule=zero_bubble sp',  # world 8, 2 blocks
+    'data=zero2 pp=2 dp_shard=2 cp=2 schedule=zero_bubble cp_method=allgather',  # world 8, 2 blocks
 ]
 
 
@@ -234,18 +237,43 @@ def rule_book():
     return accepted, refusals
 
 
+def graphs(case):
+    """What decides the graphs a compiled case compiles (None: it compiles nothing): the dtype and the weights'
+    (bf16 working copies or fp32), checkpointing, and tensor parallel's split of each block, with or without
+    sequence parallel. The data strategy's hooks and the pipeline's stages sit outside the graphs."""
+    if not case["compile"]:
+        return None
+    from parallel.layout import Layout
+    layout = Layout(case["world"], *(case[k] for k in DEGREES), data=case["data"], impl=case["impl"])
+    return (case["dtype"], layout.working_dtype("auto", case["dtype"]), case["ac"], case["tp"] > 1, case["sp"])
+
+
+def compile_cost(case, compiled):
+    """A case's compile seconds, roughly, given the graphs `compiled` holds already."""
+    g = graphs(case)
+    if g is None:
+        return 0.0
+    if case["world"] > 2:
+        return COMPILE_COST["world>2"]
+    if case["pp"] > 1 and case["schedule"] == "zero_bubble":
+        return COMPILE_COST["zero_bubble"]
+    return COMPILE_COST["cached" if g in compiled else "fresh"]
+
+
 def covering(accepted, have=()):
     """Cases that cover every pair `accepted` covers, beyond those of `have`: greedily, the most new pairs per
-    second of launch."""
+    second of launch, then without the cases the others make redundant, dearest first."""
     left = set().union(*map(pairs, accepted)) - set().union(set(), *map(pairs, have))
-    cost = [COST[c["world"]] * (1 + c["n_layer"] / 4) + COMPILE_COST[c["world"]] * c["compile"] for c in accepted]
+    base = [COST[c["world"]] * (1 + c["n_layer"] / 4) for c in accepted]
     covers = [pairs(c) for c in accepted]
-    chosen, need = [], set(left)
+    chosen, need, compiled = [], set(left), {graphs(c) for c in have} - {None}
     while left:
-        i = max(range(len(accepted)), key=lambda i: len(covers[i] & left) / cost[i])
+        i = max(range(len(accepted)),
+                key=lambda i: len(covers[i] & left) / (base[i] + compile_cost(accepted[i], compiled)))
         chosen.append(i)
+        compiled.add(graphs(accepted[i]))
         left -= covers[i]
-    for i in sorted(chosen, key=lambda i: -cost[i]):  # then drop, dearest first, a case the others make redundant
+    for i in sorted(chosen, key=lambda i: -(base[i] + compile_cost(accepted[i], set()))):
         if need <= set().union(*(covers[j] for j in chosen if j != i)):
             chosen.remove(i)
     return [accepted[i] for i in chosen]
@@ -368,8 +396,10 @@ def main():
     chosen = sorted(covering(accepted), key=lambda c: (c["world"], spec(c)))
     for c in chosen:
         print(f"    {spec(c)!r},  # world {c['world']}, {c['n_layer']} blocks")
-    print(f"{len(chosen)} cases for {len(accepted)} accepted runs: "
-          f"{sum(COST[c['world']] for c in chosen):.0f} s of launch, roughly", file=sys.stderr)
+    fresh = {graphs(c) for c in chosen} - {None}
+    print(f"{len(chosen)} cases for {len(accepted)} accepted runs: {sum(COST[c['world']] for c in chosen):.0f} s of "
+          f"launch, roughly; {sum(c['compile'] for c in chosen)} compiled, {len(fresh)} sets of graphs",
+          file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -45,20 +45,52 @@ def main(path, around=lambda run_dir: contextlib.nullcontext()):
     dist.destroy_process_group()
 
 
-def launch(nproc, jobs, timeout=None, env=None, script=("-m", "tools.jobs")):
-    """Run `jobs` [(run dir, [overrides])] on nproc local ranks in one torchrun launch; the CompletedProcess.
-    `script`: what each rank runs with the jobs file (a test's own, which calls main)."""
+def start(nproc, jobs, env=None, script=("-m", "tools.jobs")):
+    """Start `jobs` [(run dir, [overrides])] on nproc local ranks in one torchrun launch, without waiting; a Started
+    whose finish() waits for it and returns the CompletedProcess. `script`: what each rank runs with the jobs file
+    (a test's own, which calls main)."""
     import subprocess
     import tempfile
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+    spec = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+    with spec as f:
         json.dump([[d, list(o)] for d, o in jobs], f)
+    out, err = (tempfile.TemporaryFile("w+") for _ in range(2))  # files, not pipes: nobody reads while it runs
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           *script, f.name]
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
-    finally:
-        os.unlink(f.name)
+           *script, spec.name]
+    proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    return Started(proc, cmd, spec.name, out, err)
+
+
+class Started:
+    """A launch under way (start)."""
+
+    def __init__(self, proc, cmd, spec, out, err):
+        self.proc, self.cmd, self.spec, self.out, self.err = proc, cmd, spec, out, err
+
+    def finish(self, timeout=None):
+        """Wait for the launch (killing it past `timeout` seconds: subprocess.TimeoutExpired); its
+        CompletedProcess."""
+        import subprocess
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+        finally:
+            os.unlink(self.spec)
+        text = []
+        for f in (self.out, self.err):
+            f.seek(0)
+            text.append(f.read())
+            f.close()
+        return subprocess.CompletedProcess(self.cmd, self.proc.returncode, *text)
+
+
+def launch(nproc, jobs, timeout=None, env=None, script=("-m", "tools.jobs")):
+    """Run `jobs` [(run dir, [overrides])] on nproc local ranks in one torchrun launch; the CompletedProcess."""
+    return start(nproc, jobs, env, script).finish(timeout)
 
 
 if __name__ == "__main__":
