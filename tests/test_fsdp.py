@@ -16,6 +16,9 @@ from tools import plan
 
 # one micro-step per rank per step (global 4 = 2 ranks x 2): the per-step volume is the textbook one
 ONE_MICRO = ("train.global_batch_size=4",)
+# bf16 working weights against the float32 run: 5-7x the largest gap measured (2026-12-03, accumulation 4, this
+# AMX CPU: loss 2.1e-5, grad_norm 1.2e-3, val_loss 2.9e-5), room for another CPU's bf16 kernels
+BF16_PARAMS_RTOL = {"loss": 1.5e-4, "grad_norm": 6e-3, "val_loss": 2e-4}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +67,7 @@ def jobs2(root, request):
     these = equal(2)
     for i, (impl, overrides, _) in enumerate(COMM_CASES):
         these["comm", i] = small_run(*RUN, *ONE_MICRO, "parallel=fsdp", f"parallel.impl={impl}", *overrides)
-    these["bf16"] = small_run(*RUN, *ONE_MICRO, "parallel=fsdp", "parallel.param_dtype=bfloat16")
+    these["bf16"] = small_run(*RUN, "parallel=fsdp", "parallel.param_dtype=bfloat16")  # accumulation 4
     for impl in ("scratch", "torch"):
         these["offload", impl] = small_run(*RUN, "parallel=fsdp", f"parallel.impl={impl}", "parallel.cpu_offload=true")
     these["wrap"] = small_run(*RUN, "parallel=fsdp", "parallel.blocks_per_unit=2")
@@ -141,16 +144,18 @@ def test_comm_per_step(single_one_micro, runs, case):
     assert_same_weights(run_dir, single_one_micro)
 
 
-def test_bf16_params_fp32_reduce(single_one_micro, runs):
-    """Gathered parameters in bfloat16 (half the all-gather bytes), gradients reduced in float32: loss, grad_norm
-    and val_loss track the float32 run over 6 steps within about 10x the gaps measured (2026-12-03: 2.6e-5,
-    3.0e-4, 1.1e-5; the working weights rounded to bf16 after every step)."""
+def test_bf16_params_fp32_reduce(single, runs):
+    """Gathered parameters in bfloat16 (half the all-gather bytes), gradients summed over 4 micro-steps and reduced
+    in float32: loss, grad_norm and val_loss track the float32 run over 6 steps within 5-7x the gaps measured
+    (the working weights rounded to bf16 after every step: BF16_PARAMS_RTOL)."""
     start, records = steps(runs["bf16"])
-    P = start["n_params"]
+    P, accum = start["n_params"], start["grad_accum"]
+    assert accum == 4
     for r in records:
-        assert r["comm_bytes"] == pytest.approx(2 * (2 * P) + 4 * P, rel=0.02)  # 2 bf16 all-gathers + fp32 RS
+        # every micro-step gathers the bf16 weights for forward and again for backward; one fp32 reduce-scatter
+        assert r["comm_bytes"] == pytest.approx(accum * 2 * (2 * P) + 4 * P, rel=0.02)
         assert r["state_bytes_max"] == pytest.approx(16 * P / 2, rel=0.05)  # shards stay float32
-    assert_same_steps(runs["bf16"], single_one_micro, rtol={"loss": 2.5e-4, "grad_norm": 3e-3, "val_loss": 1e-4})
+    assert_same_steps(runs["bf16"], single, rtol=BF16_PARAMS_RTOL)
 
 
 @pytest.mark.parametrize("impl", ["scratch", "torch"])

@@ -119,6 +119,7 @@ def gpu_bench(*args, env, timeout=120):
 @pytest.mark.skipif(not all(os.path.exists(os.path.join(SHARED, p)) for p in ("data/tinyshakespeare.txt",
                                                                                 "tiktoken_cache")),
                     reason="needs ../shared/data/tinyshakespeare.txt and ../shared/tiktoken_cache")
+@pytest.mark.quiet
 def test_gpu_bench_runs_on_a_bare_image_from_its_bundle(tmp_path):
     t0 = time.time()
     bundle = str(tmp_path / "bundle")

@@ -400,6 +400,7 @@ def test_gpu_bench_budget_and_failures(tmp_path, monkeypatch):
 
 
 @needs_data_and_bpe
+@pytest.mark.quiet
 def test_gpu_bench_stays_within_its_budget(tmp_path, monkeypatch):
     """Too little budget for a job to start: none is launched. Jobs launched with less than they need: each is
     killed at its share, and the run ends on time."""

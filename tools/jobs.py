@@ -57,7 +57,7 @@ def start(nproc, jobs, env=None, script=("-m", "tools.jobs")):
     out, err = (tempfile.TemporaryFile("w+") for _ in range(2))  # files, not pipes: nobody reads while it runs
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            *script, spec.name]
-    proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=ROOT,
+    proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=ROOT, start_new_session=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     return Started(proc, cmd, spec.name, out, err)
 
@@ -67,6 +67,12 @@ class Started:
 
     def __init__(self, proc, cmd, spec, out, err):
         self.proc, self.cmd, self.spec, self.out, self.err = proc, cmd, spec, out, err
+
+    def pause(self, stop=True):
+        """Stop (or continue) the whole launch, its agent and ranks: its own session's process group."""
+        import signal
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGSTOP if stop else signal.SIGCONT)
 
     def finish(self, timeout=None):
         """Wait for the launch (killing it past `timeout` seconds: subprocess.TimeoutExpired); its
