@@ -218,7 +218,7 @@ class Background:
         assert world in self.plans, f"no test selected uses launch{world}"
         while world not in self.done:
             if self.running and time.time() - self.running[3] > max(600, 60 * len(self.running[1])):
-                self.running[2].proc.kill()  # a hang fails the tests instead of stalling the suite
+                self.running[2].kill()  # a hang fails the tests instead of stalling the suite
             self.poll()
             time.sleep(0.2)
         p, jobs, seconds = self.done[world]
@@ -253,7 +253,7 @@ def background_launches(request, tmp_path_factory, token_cache):
     BACKGROUND.append(Background(request, tmp_path_factory))
     yield
     if BACKGROUND[0].running:  # a session that ends early (-x, a ^C) leaves no launch behind
-        BACKGROUND[0].running[2].proc.kill()
+        BACKGROUND[0].running[2].kill()
     BACKGROUND.clear()
 
 

@@ -74,6 +74,12 @@ class Started:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGSTOP if stop else signal.SIGCONT)
 
+    def kill(self):
+        """Kill the whole launch, its agent and every rank (a killed agent alone leaves its ranks running)."""
+        import signal
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
     def finish(self, timeout=None):
         """Wait for the launch (killing it past `timeout` seconds: subprocess.TimeoutExpired); its
         CompletedProcess."""
@@ -81,7 +87,7 @@ class Started:
         try:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            self.kill()
             self.proc.wait()
             raise
         finally:
