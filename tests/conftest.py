@@ -1,5 +1,6 @@
 """Shared test helpers: configs composed as `python train.py ...` would, a token cache shared by the session,
 a small real corpus, and a reader for W&B's offline run files."""
+import collections
 import glob
 import json
 import os
@@ -167,17 +168,24 @@ def launch_jobs(world):
     return register
 
 
+def reads(item, world):
+    """Whether a test uses the shared launch of `world` ranks."""
+    return f"launch{world}" in getattr(item, "fixturenames", ())
+
+
 def launch_users(items, world):
-    return {item.module.__name__ for item in items
-            if f"launch{world}" in getattr(item, "fixturenames", ()) and getattr(item, "module", None)}
+    return {item.module.__name__ for item in items if reads(item, world) and getattr(item, "module", None)}
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """The tests that read a launch go last, in their order: the launches run while the others do."""
-    users = [item for item in items if any(f"launch{w}" in getattr(item, "fixturenames", ()) for w in WORLDS)]
+    users = [item for item in items if any(reads(item, w) for w in WORLDS)]
     ids = {id(item) for item in users}
     items[:] = [item for item in items if id(item) not in ids] + users
+
+
+Running = collections.namedtuple("Running", "world jobs started t0")  # a launch under way, since time t0
 
 
 class Background:
@@ -203,32 +211,33 @@ class Background:
     def poll(self):
         """Collect the launch under way if it has ended, and start the next."""
         from tools import jobs as job_runner
-        if self.running is not None:
-            world, jobs, started, t0 = self.running
-            if started.proc.poll() is None:
+        r = self.running
+        if r is not None:
+            if r.started.proc.poll() is None:
                 return
-            self.done[world] = started.finish(), jobs, time.time() - t0
+            p = self.done[r.world] = r.started.finish()
             self.running = None
+            if os.environ.get("JOB_TIMES"):  # where a launch's time goes: JOB_TIMES=FILE pytest ... gets a line per job
+                with open(os.environ["JOB_TIMES"], "a") as f:
+                    f.write(f"launch of {r.world} ranks, {len(r.jobs)} jobs: {time.time() - r.t0:.1f} s (beside the "
+                            "other tests)\n")
+                    f.writelines(line + "\n" for line in p.stdout.splitlines()
+                                 if line.endswith(tuple(d for d, _ in r.jobs)) and " s for " in line)
         if self.queue:
             world, jobs = self.queue.pop(0)
-            self.running = world, jobs, job_runner.start(world, jobs), time.time()
+            self.running = Running(world, jobs, job_runner.start(world, jobs), time.time())
 
     def wait(self, world):
         """{module name: ({key: run dir}, the launch's CompletedProcess)} once the launch of `world` has run."""
         assert world in self.plans, f"no test selected uses launch{world}"
         while world not in self.done:
-            if self.running and time.time() - self.running[3] > max(600, 60 * len(self.running[1])):
-                self.running[2].kill()  # a hang fails the tests instead of stalling the suite
+            r = self.running
+            if r and time.time() - r.t0 > max(600, 60 * len(r.jobs)):
+                r.started.kill()  # a hang fails the tests instead of stalling the suite
             self.poll()
             time.sleep(0.2)
-        p, jobs, seconds = self.done[world]
+        p = self.done[world]
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-        if os.environ.get("JOB_TIMES"):  # where a launch's time goes: JOB_TIMES=FILE pytest ... gets one line per job
-            with open(os.environ["JOB_TIMES"], "a") as f:
-                f.write(f"launch of {world} ranks, {len(jobs)} jobs: {seconds:.1f} s (beside the other tests)\n")
-                f.writelines(line + "\n" for line in p.stdout.splitlines()
-                             if line.endswith(tuple(d for d, _ in jobs)) and " s for " in line)
-            self.done[world] = p, [], seconds  # written once
         return {module: (d, p) for module, d in self.plans[world].items()}
 
 
@@ -253,7 +262,7 @@ def background_launches(request, tmp_path_factory, token_cache):
     BACKGROUND.append(Background(request, tmp_path_factory))
     yield
     if BACKGROUND[0].running:  # a session that ends early (-x, a ^C) leaves no launch behind
-        BACKGROUND[0].running[2].kill()
+        BACKGROUND[0].running.started.kill()
     BACKGROUND.clear()
 
 
@@ -269,10 +278,10 @@ def quiet(request):
     over a matmul's 1.1, seen in a clean clone)."""
     running = BACKGROUND[0].running if BACKGROUND and request.node.get_closest_marker("quiet") else None
     if running:
-        running[2].pause()
+        running.started.pause()
     yield
     if running:
-        running[2].pause(stop=False)
+        running.started.pause(stop=False)
 
 
 def shared_launch(world):

@@ -196,13 +196,17 @@ def base(n_layer):
     return small_run(*LLAMA, "model.n_embd=32", "model.qkv_bias=false", f"model.n_layer={n_layer}")
 
 
+def layout_of(case):
+    from parallel.layout import Layout
+    return Layout(case["world"], *(case[k] for k in DEGREES), data=case["data"], impl=case["impl"])
+
+
 def problem(case, n_layer):
     """The rule book's line for a case on the n_layer-block model (parallel/layout.py Layout.problem), or None."""
-    from parallel.layout import Layout
     cfg, model = shapes()[n_layer]
     p = cfg.parallel
     p.pp_schedule, p.cp_method, p.sequence_parallel = case["schedule"], case["cp_method"], case["sp"]
-    layout = Layout(case["world"], *(case[k] for k in DEGREES), data=case["data"], impl=case["impl"])
+    layout = layout_of(case)
     t = cfg.train
     return layout.problem(p, model, t.seq_len, t.global_batch_size, t.micro_batch_size, case["compile"],
                           case["dtype"], ac=case["ac"])
@@ -243,14 +247,12 @@ def graphs(case):
     sequence parallel. The data strategy's hooks and the pipeline's stages sit outside the graphs."""
     if not case["compile"]:
         return None
-    from parallel.layout import Layout
-    layout = Layout(case["world"], *(case[k] for k in DEGREES), data=case["data"], impl=case["impl"])
-    return (case["dtype"], layout.working_dtype("auto", case["dtype"]), case["ac"], case["tp"] > 1, case["sp"])
+    working = layout_of(case).working_dtype("auto", case["dtype"])
+    return (case["dtype"], working, case["ac"], case["tp"] > 1, case["sp"])
 
 
-def compile_cost(case, compiled):
-    """A case's compile seconds, roughly, given the graphs `compiled` holds already."""
-    g = graphs(case)
+def compile_cost(case, g, compiled):
+    """A case's compile seconds, roughly: `g` its graphs(case), `compiled` the graphs compiled already."""
     if g is None:
         return 0.0
     if case["world"] > 2:
@@ -265,15 +267,15 @@ def covering(accepted, have=()):
     second of launch, then without the cases the others make redundant, dearest first."""
     left = set().union(*map(pairs, accepted)) - set().union(set(), *map(pairs, have))
     base = [COST[c["world"]] * (1 + c["n_layer"] / 4) for c in accepted]
-    covers = [pairs(c) for c in accepted]
-    chosen, need, compiled = [], set(left), {graphs(c) for c in have} - {None}
+    covers, sets = [pairs(c) for c in accepted], [graphs(c) for c in accepted]
+    chosen, need, compiled = [], set(left), {graphs(c) for c in have}
     while left:
         i = max(range(len(accepted)),
-                key=lambda i: len(covers[i] & left) / (base[i] + compile_cost(accepted[i], compiled)))
+                key=lambda i: len(covers[i] & left) / (base[i] + compile_cost(accepted[i], sets[i], compiled)))
         chosen.append(i)
-        compiled.add(graphs(accepted[i]))
+        compiled.add(sets[i])
         left -= covers[i]
-    for i in sorted(chosen, key=lambda i: -(base[i] + compile_cost(accepted[i], set()))):
+    for i in sorted(chosen, key=lambda i: -(base[i] + compile_cost(accepted[i], sets[i], set()))):
         if need <= set().union(*(covers[j] for j in chosen if j != i)):
             chosen.remove(i)
     return [accepted[i] for i in chosen]
