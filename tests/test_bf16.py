@@ -9,16 +9,14 @@ tp, whose 2 ranks share one batch slice): the gradients of the micro-steps are s
 import pytest
 import torch
 
-import config
 import train
-from conftest import (RUN, STEPS, assert_same_steps, assert_same_weights, launch_jobs, losses, make_cfg,
-                      read_metrics, small_run)
+from conftest import (BF16, RUN, STEPS, assert_same_steps, assert_same_weights, launch_jobs, losses, make_cfg,
+                      needs_bf16, read_metrics, small_run)
 from parallel.layout import Layout
 from tools import plan
 
-# only what computes in bf16 skips on a CPU without it; the float32 fused-AdamW tests run everywhere
-needs_bf16 = pytest.mark.skipif(not config.bf16_supported("cpu"), reason="this CPU can't compute in bfloat16")
-
+# only what computes in bf16 skips on a CPU without it (conftest.needs_bf16); the float32 fused-AdamW tests run
+# everywhere
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "tp")
 CASES = [(s, i) for s in STRATEGIES for i in ("scratch", "torch")]
 # the torch run each one is held against: its own twin, except where the twin computes differently. Our ZeRO-1
@@ -61,7 +59,7 @@ def fused_run(strategy, impl, extra):
 @launch_jobs(2)
 def jobs(root, request):
     """All ten cases (where the CPU computes in bf16) and the fused ones, in the session's world-2 launch."""
-    these = {c: (str(root / "-".join(c)), bf16_run(*c)) for c in CASES} if config.bf16_supported("cpu") else {}
+    these = {c: (str(root / "-".join(c)), bf16_run(*c)) for c in CASES} if BF16 else {}
     these.update({("fused", *c): (str(root / ("fused-" + "-".join(c))), fused_run(*c)) for c in FUSED})
     return these
 
@@ -72,7 +70,7 @@ def runs(launch2, tmp_path_factory):
     process."""
     root = tmp_path_factory.mktemp("bf16")
     dirs = dict(launch2[__name__][0])
-    if config.bf16_supported("cpu"):
+    if BF16:
         dirs["single"] = str(root / "single")
         train.run(make_cfg(*small_run(*RUN, "train.dtype=bfloat16", "checkpoint.keep=0")), dirs["single"])
     dirs["fused-single"] = str(root / "fused-single")

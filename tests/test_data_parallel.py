@@ -15,8 +15,9 @@ import torch.distributed as dist
 
 import train
 import config
+import conftest
 from conftest import (RUN, STEPS, assert_refused, assert_same_steps, assert_same_weights, final_weights, forked,
-                      launch_jobs, losses, make_cfg, read_metrics, small_run)
+                      launch_jobs, losses, make_cfg, needs_bf16, read_metrics, small_run)
 from model import GPT, GPTConfig
 from parallel.ddp import DDP
 from parallel.layout import Layout
@@ -57,11 +58,12 @@ def run_dir(root, key):
 def jobs2(root, request):
     """Every world-2 case and the bf16, twin, sharded, resumed and DeepSpeed runs, in the session's world-2 launch."""
     these = {c: small_run(*RUN, f"parallel={c[0]}", f"parallel.impl={c[1]}") for c in CASES if c[2] == 2}
-    these.update({c: mixed(*c[:3], *(["checkpoint.every=3"] if c == SAVER else [])) for c in MIXED if c[3] == 2})
+    if conftest.BF16:  # bf16 working weights
+        these.update({c: mixed(*c[:3], *(["checkpoint.every=3"] if c == SAVER else [])) for c in MIXED if c[3] == 2})
+        these["twin"] = mixed("zero2", "bfloat16", "local", "parallel.impl=torch")
+        these["resumed"] = mixed(*SAVER[:3], f"train.resume={run_dir(root, SAVER)}/checkpoints/step_0000003")
     these.update({("bf16", s): small_run(*RUN, f"parallel={s}", "parallel.reduce_dtype=bfloat16") for s in BF16})
-    these["twin"] = mixed("zero2", "bfloat16", "local", "parallel.impl=torch")
     these["fp32-sharded"] = small_run(*RUN, "parallel=zero2", "parallel.accumulate=sharded")
-    these["resumed"] = mixed(*SAVER[:3], f"train.resume={run_dir(root, SAVER)}/checkpoints/step_0000003")
     if DEEPSPEED:  # each stage checkpoints at step 3; ours (zero2) resumes ZeRO-3's
         these.update({("deepspeed", s): small_run(*RUN, f"parallel={s}", "parallel.impl=deepspeed",
                                                   "checkpoint.every=3") for s in DS})
@@ -73,10 +75,11 @@ def jobs2(root, request):
 @launch_jobs(4)
 def jobs4(root, request):
     """Every world-4 case, and SAVER's checkpoint (world 2) into the other stage, gradient dtype and world size."""
-    saver = request.getfixturevalue("launch2")[__name__][0][SAVER]
     these = {c: small_run(*RUN, f"parallel={c[0]}", f"parallel.impl={c[1]}") for c in CASES if c[2] == 4}
-    these.update({c: mixed(*c[:3]) for c in MIXED if c[3] == 4})
-    these["resharded"] = mixed("zero1", "float32", "local", f"train.resume={saver}/checkpoints/step_0000003")
+    if conftest.BF16:
+        saver = request.getfixturevalue("launch2")[__name__][0][SAVER]
+        these.update({c: mixed(*c[:3]) for c in MIXED if c[3] == 4})
+        these["resharded"] = mixed("zero1", "float32", "local", f"train.resume={saver}/checkpoints/step_0000003")
     return {k: (run_dir(root, k), o) for k, o in these.items()}
 
 
@@ -145,6 +148,7 @@ MIXED_STATE = {("zero1", "bfloat16"): lambda N: 2 + 2 + 12 / N, ("zero2", "bfloa
 MIXED_RTOL = {"loss": 1e-4, "grad_norm": 5e-3}
 
 
+@needs_bf16
 @pytest.mark.parametrize("case", MIXED, ids=["-".join(map(str, c)) for c in MIXED])
 def test_mixed_precision_state_comm_and_loss(single, runs, case):
     """Measured state_bytes equal to the formula; comm = reduce-scatter (once, or every micro-step under
@@ -171,6 +175,7 @@ def test_mixed_precision_state_comm_and_loss(single, runs, case):
           f"transient {steps[-1]['transient_bytes'] / P:.3f} B/param")
 
 
+@needs_bf16
 @pytest.mark.parametrize("world,reduce_dtype", [(2, "bfloat16"), (4, "float32")])
 def test_accumulation_trade(runs, world, reduce_dtype):
     """ZeRO-2's two ways to accumulate, measured: the same state; local holds full gradients between micro-steps
@@ -187,6 +192,7 @@ def test_accumulation_trade(runs, world, reduce_dtype):
     assert rs["sharded"] == accum * rs["local"]
 
 
+@needs_bf16
 def test_mixed_precision_twin(runs):
     """torch's FSDP2 with MixedPrecisionPolicy (bf16 parameters, bf16 reduction, fp32 shards), ZeRO-2's torch twin:
     losses equal to ours within 1e-5 relative (0 seen) and norms within 1e-4 (1e-6 seen); its state is 16P/N (it
@@ -213,6 +219,7 @@ def test_sharded_accumulation_fp32_equals_single(single, runs):
                                                                                     rel=1e-3)
 
 
+@needs_bf16
 def test_mixed_precision_checkpoints(runs):
     """A mixed-precision checkpoint stores the fp32 master weights; its own layout resumes bit for bit (the bf16
     working weights rebuilt from them), another stage, gradient dtype and world size within MIXED_RTOL."""

@@ -196,19 +196,22 @@ def _threads(name):
     return sum(open(f"/proc/self/task/{t}/comm").read().strip() == name for t in os.listdir("/proc/self/task"))
 
 
-def test_jobs_in_one_launch_leave_nothing_behind(tmp_path):
+def test_jobs_in_one_launch_leave_nothing_behind(tmp_path, capfd):
     """tools/jobs.py runs many train.py jobs in one process group (the tests' launches): a layout seen before reuses
     its mesh and gloo groups (parallel/layout.py once_per_group). Each gloo group
     keeps three threads: new groups per job piled up hundreds of threads per rank, and a launch's last jobs ran
-    several times slower."""
+    several times slower. A job whose settings are refused is reported and skipped, and the rest run (a CPU without
+    bf16 once refused a launch's bf16 jobs: every job after the first refusal was lost)."""
     import contextlib
     import json
     from conftest import forked
     from tools import jobs
-    layouts = [("tp", "parallel.tp=2"), ("cp", "parallel.cp=2")] * 2 + [("zero2", "parallel.impl=scratch")]
+    layouts = [("tp", "parallel.tp=2"), ("cp", "parallel.cp=2"), ("tp", "parallel.tp=3")] + \
+        [("tp", "parallel.tp=2"), ("cp", "parallel.cp=2"), ("zero2", "parallel.impl=scratch")]
     overrides = [small_run("train.max_steps=1", "train.eval_every=1", f"parallel={s}", extra) for s, extra in layouts]
     path = tmp_path / "jobs.json"
-    path.write_text(json.dumps([[str(tmp_path / f"job{i}"), o] for i, o in enumerate(overrides)]))
+    dirs = [str(tmp_path / f"job{i}") for i in range(len(overrides))]
+    path.write_text(json.dumps([[d, o] for d, o in zip(dirs, overrides)]))
     counts = str(tmp_path / "threads")
 
     def rank():
@@ -222,7 +225,10 @@ def test_jobs_in_one_launch_leave_nothing_behind(tmp_path):
         with open(f"{counts}.{os.environ['RANK']}", "w") as f:
             json.dump(seen, f)
     forked(2, rank)
+    refused = jobs.refusals(capfd.readouterr().out)
+    assert list(refused) == [dirs[2]] and "parallel.tp=3" in refused[dirs[2]], refused
+    assert [os.path.exists(os.path.join(d, "metrics.jsonl")) for d in dirs] == [True, True, False, True, True, True]
     for r in range(2):
         seen = json.load(open(f"{counts}.{r}"))
-        # the third and fourth jobs repeat the first two's layouts; the fifth's start shows what the fourth left
-        assert seen[1] < seen[2] == seen[3] == seen[4], f"rank {r}: gloo threads at each job's start {seen}"
+        # the fourth and fifth jobs repeat the first two's layouts; the sixth's start shows what the fifth left
+        assert seen[1] < seen[3] == seen[4] == seen[5], f"rank {r}: gloo threads at each job's start {seen}"

@@ -16,6 +16,12 @@ import time
 import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REFUSED = "layouts: refused "  # a job whose settings were refused: rank 0 prints this, its run dir and the line
+
+
+def refusals(stdout):
+    """{run dir: the refusal's line} from a launch's output."""
+    return dict(line[len(REFUSED):].split(": ", 1) for line in stdout.splitlines() if line.startswith(REFUSED))
 
 
 def main(path, around=lambda run_dir: contextlib.nullcontext()):
@@ -23,6 +29,7 @@ def main(path, around=lambda run_dir: contextlib.nullcontext()):
     in what they measure)."""
     sys.path.insert(0, ROOT)
     import train
+    from config import ConfigError
     from tools.plan import compose
     with open(path) as f:
         jobs = json.load(f)
@@ -32,8 +39,13 @@ def main(path, around=lambda run_dir: contextlib.nullcontext()):
         if dist.get_rank() == 0:  # markers around each job's console output, for tests that read it
             print(f"layouts: start {run_dir}", flush=True)
         start = time.time()
-        with around(run_dir):
-            train.run(compose(overrides, "config"), run_dir)
+        try:
+            with around(run_dir):
+                train.run(compose(overrides, "config"), run_dir)
+        except ConfigError as e:  # a job's settings refused: the same line on every rank (the same settings), before
+            if dist.get_rank() == 0:  # its work; the launch's other jobs run (REFUSED, below)
+                print(f"{REFUSED}{run_dir}: {e}", flush=True)
+            continue
         if dist.get_rank() == 0:
             print(f"layouts: done {run_dir}", flush=True)
             print(f"layouts: {time.time() - start:.1f} s for {run_dir}", flush=True)  # where a launch's time goes
