@@ -169,7 +169,9 @@ def test_gpu_bench_runs_on_a_bare_image_from_its_bundle(tmp_path):
             how, where = mods[name]
             assert how == "found" and where.startswith(site), (pid, name, how, where)  # the bundle's alone
     assert all({"torch", "numpy", "tiktoken", "hydra", "omegaconf"} <= loaded[pid] for pid in ranks)
-    assert time.time() - t0 < 90
+    # a guard against the tiny path growing, not a benchmark: bundle and run took 57 s alone and 88.6 s in the suite
+    # on a 2-core AMD EPYC (AVX2, 2026-12-03), where 90 s had been the bound
+    assert time.time() - t0 < 180
 
 
 def test_compiled_jobs_get_their_floor_and_say_where_they_ran_out(tmp_path, monkeypatch):
