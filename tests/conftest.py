@@ -25,14 +25,11 @@ def needs_shared(*paths):
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
-def _bf16():
-    import config
-    return config.bf16_supported("cpu")
-
-
 # the rule book refuses bf16 compute on a CPU without it (AVX2 alone: bf16 matmuls 27x slower than float32, measured
 # on an AMD EPYC, 2026-12-03), so only what computes in bf16 skips there, and its launch jobs are not planned
-BF16 = _bf16()
+import config  # noqa: E402 (torch comes with it: after OMP_NUM_THREADS is set above)
+
+BF16 = config.bf16_supported("cpu")
 needs_bf16 = pytest.mark.skipif(not BF16, reason="this CPU can't compute in bfloat16")
 
 

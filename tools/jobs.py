@@ -42,8 +42,8 @@ def main(path, around=lambda run_dir: contextlib.nullcontext()):
         try:
             with around(run_dir):
                 train.run(compose(overrides, "config"), run_dir)
-        except ConfigError as e:  # a job's settings refused: the same line on every rank (the same settings), before
-            if dist.get_rank() == 0:  # its work; the launch's other jobs run (REFUSED, below)
+        except ConfigError as e:  # a job's settings refused: the same line on every rank (the same settings and
+            if dist.get_rank() == 0:  # files); the launch's other jobs run (REFUSED, above)
                 print(f"{REFUSED}{run_dir}: {e}", flush=True)
             continue
         if dist.get_rank() == 0:
