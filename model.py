@@ -238,6 +238,8 @@ class Attention(nn.Module):
         # one split rather than three indexings: its backward is one cat, where each indexing's would fill a zeroed
         # copy of the whole qkv output
         q, k, v = qkv.split((self.rep, 1, 1), dim=3)
+        # the tables in the activations' dtype once for q and k (each rotation keeps what it is given)
+        cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)
         q = apply_rope(q, cos[:, None], sin[:, None]).view(B, T, -1, self.head_dim)
         k = apply_rope(k.squeeze(3), cos, sin)
         # a copy: attention keeps v for backward, and a view would keep the whole qkv output alive with it

@@ -152,8 +152,13 @@ SELECTIVE_SAVE = tuple(getattr(torch.ops.aten, name).default for name in (
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
+    # only an op of the autograd graph: the kernels context parallelism runs inside its autograd.Function's forward
+    # (no grad there) are pieces of one attention, whose output nothing keeps; saved, every block's partial output
+    # would stay, cp x a rank's tokens on the ring's last rank (tools/act_memory.py, 2026-12-03); the Function runs
+    # again whole in backward, its communication too, as under full checkpointing
     from torch.utils.checkpoint import CheckpointPolicy
-    return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+    keep = op in SELECTIVE_SAVE and torch.is_grad_enabled()
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def apply_activation_checkpointing(model, mode, every=1):

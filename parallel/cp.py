@@ -30,8 +30,9 @@ tokens. Attention needs every earlier token's key and value, and that is all tha
 
   Memory per rank: activations of T/cp tokens (1/cp of one process's); the ring holds two K, V blocks at a time;
   the all-gather keeps the whole sequence's K, V in every layer for backward. Each block runs in a fused attention
-  kernel that returns its log-sum-exp (on a CPU aten's flash kernel, forward and backward, in the activations'
-  dtype): tiles, never a (2C)^2 scores tensor; the partial outputs merge in float32.
+  kernel that returns its log-sum-exp (on a CPU aten's flash kernel; on a GPU the flash kernel in half precision,
+  the memory-efficient one in float32; forward and backward, in the activations' dtype): tiles, never a (2C)^2
+  scores tensor; the partial outputs merge in float32.
   Only K and V travel, with their own n_kv_head heads (grouped-query attention: n_head / n_kv_head fewer bytes than
   full multi-head attention's; each block's kernel reads each key/value head for its query heads).
   Communication per layer and step (bytes of K and V of one rank, kv = 2 B (T/cp) d_kv x element size, d_kv =
@@ -48,6 +49,8 @@ produce for another rank's tokens reach that rank through the ring (or the reduc
 
 The torch twin, torch.distributed.tensor.experimental.context_parallel, is at the end of this file.
 """
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -87,24 +90,63 @@ def block(rank, src, chunk):
 
 
 # --- one block of attention, and its backward: a fused kernel that returns the log-sum-exp
-# On a CPU, aten's flash kernel for the CPU (the one F.scaled_dot_product_attention runs there), forward and
-# backward: tiles, never the (Tq, Tk) scores, in the compute dtype with float32 accumulation. Its backward takes the
-# output and lse of the *merged* attention, so each block's probabilities are exp(s - lse) under the final softmax
-# and blocks need nothing from each other (flash attention's backward, split by key blocks). Elsewhere (the GPU's
-# flash and memory-efficient kernels take more bookkeeping, not yet wired or run): the same math written out, in
-# float32, (Tq, Tk) scores a block.
+# Fused: tiles, never the (Tq, Tk) scores, in the compute dtype with float32 accumulation, forward and backward.
+# The backward takes the output and lse of the *merged* attention, so each block's probabilities are
+# exp(s - lse) under the final softmax and blocks need nothing from each other (flash attention's backward, split
+# by key blocks). On a CPU, aten's flash kernel for the CPU (the one F.scaled_dot_product_attention runs there); on
+# a GPU, the flash kernel in half precision and the memory-efficient one in float32 (both as SDPA calls them; their
+# lse is natural-log, the efficient kernel's padded to 32 queries), key/value heads repeated for grouped-query
+# attention. Elsewhere (another device, or a head_dim the GPU kernels lack): the same math written out, in
+# float32, (Tq, Tk) scores a block, with a warning that says so.
 def fused(q):
-    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+    if q.device.type == "cpu":
+        return q.dtype in (torch.float32, torch.bfloat16)
+    return q.device.type == "cuda" and q.size(-1) % 8 == 0 and q.size(-1) <= 256 and \
+        q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+_warned = set()
+
+
+def _written_out(q):
+    key = (q.device.type, q.dtype, q.size(-1))
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"parallel/cp.py: no fused attention kernel for {q.dtype} with head_dim {q.size(-1)} on "
+                      f"{q.device.type}: each block runs written out, its (Tq, Tk) scores in float32")
+
+
+def _repeat_kv(q, k, v):
+    rep = q.size(1) // k.size(1)  # grouped-query attention: each key/value head serves rep query heads in a row
+    return (k, v) if rep == 1 else (k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1))
+
+
+def _group(g, k):
+    """A gradient over the repeated key/value heads summed back onto each key/value head."""
+    B, H_kv = k.size(0), k.size(1)
+    return g if g.size(1) == H_kv else g.view(B, H_kv, g.size(1) // H_kv, *g.shape[2:]).sum(2)
+
+
+def _lse_rows(tq):
+    return -(-tq // 32) * 32  # the memory-efficient kernel's lse: queries padded to a multiple of 32
 
 
 def attention_block(q, k, v, causal):
     """Softmax attention of q to k, v and its log-sum-exp per query: (out (B, H, Tq, D) float32, lse (B, H, Tq)
     float32). `causal`: q and k are the same positions (the diagonal block), each query sees itself and earlier."""
-    if fused(q):
+    if fused(q) and q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
         return out.float(), lse
-    rep = q.size(1) // k.size(1)  # grouped-query attention: each key/value head serves rep query heads in a row
-    q, k, v = q.float(), k.float().repeat_interleave(rep, 1), v.float().repeat_interleave(rep, 1)
+    if fused(q):
+        k, v = _repeat_kv(q, k, v)
+        if q.dtype == torch.float32:
+            out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
+            return out.float(), lse.narrow(-1, 0, q.size(2)).float()
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
+        return out.float(), lse.float()
+    _written_out(q)
+    k, v = _repeat_kv(q, k, v)
+    q, k, v = q.float(), k.float(), v.float()
     s = (q @ k.transpose(-2, -1)) * q.size(-1) ** -0.5
     if causal:
         s = s.masked_fill(_future(s), float("-inf"))
@@ -115,10 +157,23 @@ def attention_block(q, k, v, causal):
 def attention_block_backward(q, k, v, out, dout, lse, causal):
     """Gradients (dq, dk, dv) of one block, float32, given the merged attention's output and lse for these
     queries (out and dout in q's dtype, lse float32)."""
-    if fused(q):
+    if fused(q) and q.device.type == "cpu":
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0,
                                                                                    causal)
         return tuple(g.float() for g in grads)
+    if fused(q):
+        kr, vr = _repeat_kv(q, k, v)
+        tq, tk = q.size(2), k.size(2)
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: the kernels draw nothing
+        if q.dtype == torch.float32:
+            padded = torch.nn.functional.pad(lse, (0, _lse_rows(tq) - tq))
+            dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+                dout, q, kr, vr, None, out, padded, seed, seed, 0.0, [True, True, True, False], causal)
+        else:
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                dout, q, kr, vr, out, lse, None, None, tq, tk, 0.0, causal, torch.zeros(2, dtype=torch.int64,
+                                                                                       device=q.device), seed)
+        return dq.float(), _group(dk.float(), k), _group(dv.float(), k)
     B, H_kv, rep = k.size(0), k.size(1), q.size(1) // k.size(1)
     q, out, dout = q.float(), out.float(), dout.float()
     k, v = k.float().repeat_interleave(rep, 1), v.float().repeat_interleave(rep, 1)
@@ -179,14 +234,15 @@ def forward_block(q, kv, rank, src, out, lse):
     merge(out[:, :, qs], lse[:, :, qs], out_b, lse_b)
 
 
-def backward_block(q, kv, out, dout, lse, rank, src, dq):
+def backward_block(q, kv, out, dout, lse, rank, src, dq, g=None):
     """Add this block's part of dq into dq (float32); return its part of rank src's dK, dV, (2, B, H, 2C, D)
-    float32. out, dout: the merged attention's output and its gradient, in q's dtype."""
+    float32, written into g where given (zeros). out, dout: the merged attention's output and its gradient, in q's
+    dtype."""
     qs, ks, causal = block(rank, src, q.size(2) // 2)
     dq_b, dk_b, dv_b = attention_block_backward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], out[:, :, qs],
                                                 dout[:, :, qs], lse[:, :, qs], causal)
     dq[:, :, qs] += dq_b
-    g = torch.zeros_like(kv, dtype=torch.float32)
+    g = torch.zeros_like(kv, dtype=torch.float32) if g is None else g
     g[0][:, :, ks], g[1][:, :, ks] = dk_b, dv_b
     return g
 
@@ -272,7 +328,10 @@ class AllGatherAttention(torch.autograd.Function):
         n, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
         dout = dout.to(q.dtype).contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        grads = torch.stack([backward_block(q, gathered[src], out, dout, lse, rank, src, dq) for src in range(n)])
+        # every rank's dK, dV pieces written in place into the reduce-scatter's input: no list of them besides
+        grads = torch.zeros(gathered.shape, dtype=torch.float32, device=q.device)
+        for src in range(n):
+            backward_block(q, gathered[src], out, dout, lse, rank, src, dq, grads[src])
         own = torch.empty(grads.shape[1:], dtype=torch.float32, device=q.device)
         comm.reduce_scatter_single(own, grads.view((n * 2,) + grads.shape[2:]), group=ctx.group)
         return dq.to(q.dtype), own[0].to(q.dtype), own[1].to(q.dtype), None

@@ -193,3 +193,59 @@ def test_checkpoint_loads_across_cp_layouts(runs, single):
         torch.testing.assert_close(torch.tensor([r[key] for r in got]), torch.tensor([r[key] for r in ref]),
                                    rtol=1e-5, atol=0)
     assert_same_weights(runs["resume"], single)
+
+
+# --- the GPU's fused blocks: their calls checked on fake CUDA tensors here, their numbers on a GPU where there is one
+def _blocks_on(device, dtype, heads=4, kv_heads=2, tq=96, tk=64, causal=False):
+    torch.manual_seed(0)
+    mk = lambda h, t: torch.randn(2, h, t, 32, device=device, dtype=dtype)
+    q, k, v = mk(heads, tq), mk(kv_heads, tk if not causal else tq), mk(kv_heads, tk if not causal else tq)
+    out, lse = cp.attention_block(q, k, v, causal)
+    dout = mk(heads, tq)
+    grads = cp.attention_block_backward(q, k, v, out.to(dtype), dout, lse, causal)
+    return (q, k, v), (out, lse), grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_blocks_call_the_fused_kernels(dtype):
+    """On fake CUDA tensors (no GPU needed: shapes, dtypes and the ops called), each block runs the GPU's fused
+    kernel (flash in bf16, memory-efficient in float32), never forms a (Tq, Tk) tensor, and returns float32 out,
+    lse (Tq, unpadded) and gradients shaped like q and the key/value heads (grouped-query attention summed back)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names, self.shapes = set(), set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.names.add(func.__name__.split(".")[0])
+            self.shapes |= {tuple(t.shape[-2:]) for t in torch.utils._pytree.tree_leaves(out)
+                            if isinstance(t, torch.Tensor) and t.dim() >= 2}
+            return out
+    for causal in (False, True):
+        with FakeTensorMode(), Ops() as ops:
+            (q, k, v), (out, lse), grads = _blocks_on("cuda", dtype, causal=causal)
+        kernel = "_scaled_dot_product_efficient_attention" if dtype == torch.float32 \
+            else "_scaled_dot_product_flash_attention"
+        assert {kernel, kernel + "_backward"} <= ops.names
+        assert (q.size(2), k.size(2)) not in ops.shapes  # no scores
+        assert out.shape == q.shape and lse.shape == q.shape[:-1]
+        assert out.dtype == lse.dtype == torch.float32
+        assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+        assert all(g.dtype == torch.float32 for g in grads)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the GPU's fused kernels against the math")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_blocks_equal_the_written_out_math(dtype, monkeypatch):
+    for causal in (False, True):
+        _, (out, lse), grads = _blocks_on("cuda", dtype, causal=causal)
+        monkeypatch.setattr(cp, "fused", lambda q: False)
+        _, (out_w, lse_w), grads_w = _blocks_on("cuda", dtype, causal=causal)
+        monkeypatch.undo()
+        tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
+        for a, b in zip((out, lse, *grads), (out_w, lse_w, *grads_w)):
+            torch.testing.assert_close(a, b, **tol)

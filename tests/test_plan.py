@@ -18,7 +18,7 @@ import train
 from conftest import ROOT, forked, make_cfg, needs_bf16, needs_shared, read_metrics, small_run
 from model import GPT, GPTConfig
 from parallel.layout import DATA_STRATEGIES, Layout, LayoutError
-from tools import cp_memory, plan
+from tools import act_memory, plan
 
 # 4 heads so that tensor parallelism can split them 4 ways; global 8 in micro-batches of 2: accumulation 4, 2, 1 at
 # 1, 2, 4 data-parallel ranks; float32 on both sides (the planner's default is bf16 activations)
@@ -142,7 +142,7 @@ def saved_for_backward(ac, n_layer=3, d=64, heads=4, vocab=256, b=2, s=32, **lla
     model = GPT(GPTConfig(vocab_size=vocab, block_size=s, n_layer=n_layer, n_head=heads, n_embd=d, **llama))
     model.init_weights()
     parallel.apply_activation_checkpointing(model, ac)
-    kept, _ = cp_memory.saved_bytes(model, torch.randint(0, vocab, (b, s)), torch.randint(0, vocab, (b, s)))
+    kept, _ = act_memory.saved_bytes(model, torch.randint(0, vocab, (b, s)), torch.randint(0, vocab, (b, s)))
     c = model.cfg
     shape = {"n_layer": n_layer, "n_embd": d, "vocab": c.padded_vocab_size}
     if llama:  # model_shape's keys that tell Llama's block from GPT-3's
@@ -475,18 +475,35 @@ def test_peak_flops_by_exact_name(tmp_path):
 CP_SHAPE = {"n_layer": 2, "n_head": 2, "n_embd": 64, "vocab_size": 512}
 
 
-@pytest.mark.parametrize("method", ["ring", "allgather"])
-def test_cp_activations_equal_measured(method):
-    """What autograd keeps on each of 2 cp ranks (forked, gloo, tools/cp_memory.py) against the planner; the ring's
-    is half of one process's (1/cp), the all-gather's more by the whole sequence's K, V."""
-    shape = {**CP_SHAPE, "vocab": 512}
-    one = cp_memory.measure(1, shape=CP_SHAPE, seq_len=256, batch=2)
-    two = cp_memory.measure(2, method, shape=CP_SHAPE, seq_len=256, batch=2)
-    assert one == pytest.approx(plan.activation_bytes(shape, 2, 256, 4)[0], rel=0.02)
-    assert two == pytest.approx(plan.cp_activation_bytes(shape, 2, 256, 4, 2, method)[0], rel=0.02)
-    print(f"\n{method}: cp=2 keeps {two / one:.3f} of one process's activations")
-    if method == "ring":
-        assert two / one == pytest.approx(0.5, rel=0.02)
+def test_real_ranks_keep_what_fake_tensors_count():
+    """tools/act_memory.py measures on fake tensors; on 2 real gloo ranks (forked) what forward keeps is the same
+    bytes, and the peak within 5% (3.4% lower, 2026-12-03: the fake group's sends and receives hold their buffers
+    until the next hop), and the ring's rank keeps half of one process's."""
+    args = dict(shape=CP_SHAPE, seq=256, batch=2)
+    real, fake = act_memory.measure(2, "ring", compute="real", **args), act_memory.measure(2, "ring", **args)
+    assert real[0] == fake[0]
+    assert real[1] == pytest.approx(fake[1], rel=0.05)
+    one = act_memory.measure(1, **args)
+    assert real[0] - 8 * 2 * 128 == pytest.approx((one[0] - 8 * 2 * 256) / 2, rel=0.02)  # the token ids aside
+
+
+# (checkpointing, dtype) pairs, each with one cp layout and one length in turn: every mode, dtype, cp degree,
+# method and length appears
+MEMORY_CASES = [(ac, dtype, *act_memory.LAYOUTS[i % 5], (8192, 32768)[i % 2])
+                for i, (ac, dtype) in enumerate((ac, dtype) for ac in ("none", "selective", "full")
+                                                for dtype in act_memory.DTYPES)]
+
+
+@pytest.mark.parametrize("ac,dtype,cp,method,seq", MEMORY_CASES)
+def test_activation_memory_equals_planner(ac, dtype, cp, method, seq):
+    """The planner's activation memory per rank (kept, and the high-water mark through backward: kept + the block
+    recomputed + the backward's buffers) against what torch's MemTracker measures on a gpt_tiny-shaped rank, one
+    sequence. Kept is exact to 0.1% (the log-sum-exp, the RoPE tables' copies, the token ids all counted); the peak
+    within 5% (measured 2026-12-03, the full grid of tools/act_memory.py, 2k, 8k and 32k tokens: at most 4.6% off)."""
+    kept, peak = act_memory.measure(cp, method, seq=seq, ac=ac, dtype=dtype)
+    p_kept, p_peak = act_memory.planned(cp, method, seq=seq, ac=ac, dtype=dtype)
+    assert kept == pytest.approx(p_kept, rel=1e-3)
+    assert peak == pytest.approx(p_peak, rel=0.05)
 
 
 def test_long_context_plan():

@@ -92,7 +92,6 @@ def check(cfg, under_torchrun=False):
     config.validate(cfg)
     d = cfg.dry_run
     problem = config.check_dry_run(d, cfg.launcher, under_torchrun)
-    problem = problem or plan.untheorized(cfg)  # the planner's own line: nothing to set beside the measurement
     if problem:
         raise ConfigError(problem)
     try:  # the training config's own rules, for this world: degrees that divide it, heads, batch, ...

@@ -258,48 +258,74 @@ def figure1_report():
 # --- memory beyond the model state
 def checkpointed_fraction(mode, n_layer, every=1):
     """The share of blocks train.activation_checkpointing recomputes (parallel.apply_activation_checkpointing)."""
-    return {"none": 0, "full": 1, "every_n": math.ceil(n_layer / every) / n_layer}[mode]
+    return {"none": 0, "full": 1, "selective": 1, "every_n": math.ceil(n_layer / every) / n_layer}[mode]
 
 
-def activation_bytes(shape, micro, seq, act_bytes, tp=1, sequence_parallel=False, checkpointed=0.0):
+def activation_bytes(shape, micro, seq, act_bytes, tp=1, sequence_parallel=False, checkpointed=0.0, residual_bytes=4,
+                     selective=False, ring_attention=False):
     """Bytes autograd keeps for backward, one micro-batch (only one is alive at a time), counted in our Block
-    (tests/test_plan.py checks the count on CPU against what autograd saves):
-      each RMSNorm (model.RMSNormFn): its input and its float32 1/rms (b s d + 4 b s bytes), and its output, which
-      the matmul after it keeps (b s d); two per block, one at the end
+    (tools/act_memory.py measures them, tests/test_plan.py checks the count); `act_bytes` the compute dtype's (the
+    matmuls' outputs), `residual_bytes` the residual stream's, the working weights' dtype (4 under autocast over
+    float32 weights, whose residual adds stay float32; 2 with bf16 working weights):
+      each RMSNorm (model.RMSNormFn): its input, in the residual's dtype, and its float32 1/rms (b s d rb + 4 b s),
+      and its output in the compute dtype, which the matmul after it keeps (b s d ab: under autocast the bf16 copy
+      the matmul casts it to); two per block, one at the end
       attention: q and k after RoPE, v, the output, which is the proj input too (a view: the kernel writes it in
       the token-major order the fused qkv's views give it) (2 b s d + 2 b s d_kv: 4 b s d without grouped-query
-      attention); MLP, f hidden units: GELU's up's and GELU's outputs (2 b s f: 8 b s d), SwiGLU's four wide
-      tensors (4 b s f): gate's output (silu's input), silu's and up's outputs (the product's operands), the product
-      (down's input)
+      attention), and the kernel's float32 log-sum-exp per head (4 b s H); below float32, RoPE keeps its cos and sin
+      tables cast to the compute dtype (2 b s head_dim); MLP, f hidden units: GELU's up's and GELU's outputs
+      (2 b s f: 8 b s d), SwiGLU's four wide tensors (4 b s f): gate's output (silu's input), silu's and up's
+      outputs (the product's operands), the product (down's input)
       the loss (model.CrossEntropy): the logits in their dtype and each row's float32 log-sum-exp (b s V + 4 b s
       bytes); under tensor parallelism the vocab-parallel loss keeps the float32 softmax of its slice (b s V / tp)
     Tensor parallelism splits attention, MLP and logits over tp; the norms' tensors are whole on every rank unless
     sequence parallelism splits them too: then each norm keeps its b (s/tp) d input and statistic (its output is
     all-gathered, and the gathered whole-sequence b s d is what the column-parallel matmul after it keeps: qkv's, the
     MLP's, the head's; measured on fake tensors, tools/dry_run.py, 2026-12-02). A checkpointed block keeps only its
-    input (the fp32 residual stream) and is recomputed in backward, one at a time. Attention is flash-style (no s x s
-    scores). Under autocast some tensors are fp32 and some kept in both dtypes: there it is an estimate. Compiled, the
-    compiler chooses what to keep. Returns (kept, recomputed at once)."""
+    input (the residual stream, in its dtype) and is recomputed in backward, one at a time; `selective`
+    (train.activation_checkpointing=selective, parallel.SELECTIVE_SAVE) keeps besides the outputs of its matmuls
+    and of its attention kernel (qkv's, proj's, the MLP's up (and gate) and down; the attention's output and
+    log-sum-exp) and recomputes the rest. Attention is flash-style (no s x s scores). Compiled, the compiler
+    chooses what to keep. Returns (kept, recomputed at once)."""
     L, V = shape["n_layer"], shape["vocab"]
     d, kv, hidden, wide, _ = dims(shape)
-    u = micro * seq * d
+    heads = shape.get("n_head", 0)  # the log-sum-exp and the tables, a few bytes a token: 0 where a shape omits it
+    ab, rb = act_bytes, residual_bytes
     sp = sequence_parallel and tp > 1
     norm_split = tp if sp else 1
     # per norm and token: its input and 1/rms (split under sp), and its output (under sp the gathered one after it)
-    norm = ((d * act_bytes + 4) / tp + d * act_bytes) if sp else 2 * d * act_bytes + 4
-    block = (2 * norm + (2 * d + 2 * kv + wide * hidden) / tp * act_bytes) * micro * seq
-    loss = V * 4 / tp if tp > 1 else V * act_bytes + 4
+    norm = (d * rb + 4) / norm_split + d * ab
+    tables = 2 * d / heads * ab if heads and ab < 4 else 0  # cos and sin cast below float32 (model.apply_rope)
+    attention = (2 * d + 2 * kv) * ab + 4 * heads
+    block = (2 * norm + (attention + wide * hidden * ab) / tp + tables) * micro * seq
+    loss = V * 4 / tp if tp > 1 else V * ab + 4
     end = (norm + loss) * micro * seq * shape.get("last", True)  # pp: only the last stage
     n_ckpt = round(checkpointed * L)
-    return (L - n_ckpt) * block + n_ckpt * u * 4 / norm_split + end, block if n_ckpt else 0
+    ckpt = d * rb / norm_split * micro * seq  # a checkpointed block's input
+    if selective:  # the matmuls' outputs (qkv, proj, up (and gate), down) and the attention's, kept; the rest recomputed
+        n_up = 2 if wide == 4 else 1
+        saved = (d + 2 * kv + 2 * d + n_up * hidden) * ab
+        if not ring_attention:  # the attention kernel's output and log-sum-exp (context parallelism's: recomputed)
+            saved += d * ab + 4 * heads
+        ckpt += saved / tp * micro * seq
+        block -= saved / tp * micro * seq
+    ids = 8 * micro * seq * (1 + ring_attention)  # the token ids the embedding keeps (int64); under cp its targets too
+    # recomputed at once: one block's tensors but its input, which it kept
+    return (L - n_ckpt) * block + n_ckpt * ckpt + end + ids, block - d * rb / norm_split * micro * seq if n_ckpt else 0
 
 
-def cp_activation_bytes(shape, micro, seq, act_bytes, cp, method, tp=1, sequence_parallel=False, checkpointed=0.0):
+def cp_activation_bytes(shape, micro, seq, act_bytes, cp, method, tp=1, sequence_parallel=False, checkpointed=0.0,
+                        residual_bytes=4, selective=False):
     """activation_bytes for one cp rank's seq/cp tokens (the ring saves what one process's attention does: q, k, v,
     output and its log-sum-exp, of its own tokens). The all-gather keeps the whole sequence's K and V for backward
     in every layer it doesn't recompute, 2 b (seq - seq/cp) d more than its own. Returns (kept, recomputed at
     once)."""
-    kept, recompute = activation_bytes(shape, micro, seq // cp, act_bytes, tp, sequence_parallel, checkpointed)
+    kept, recompute = activation_bytes(shape, micro, seq // cp, act_bytes, tp, sequence_parallel, checkpointed,
+                                       residual_bytes, selective, ring_attention=cp > 1)
+    if cp > 1 and shape.get("n_head") and (act_bytes == 4 or checkpointed):
+        # the RoPE tables' rows at the rank's positions (model.GPT.rope), float32, one copy every block's rotation
+        # (or checkpoint) keeps
+        kept += 2 * shape["n_embd"] / shape["n_head"] * 4 * micro * seq // cp
     if method == "allgather" and cp > 1:
         L = shape["n_layer"]
         extra = 2 * micro * (seq - seq // cp) * dims(shape)[1] / tp * act_bytes
@@ -307,6 +333,51 @@ def cp_activation_bytes(shape, micro, seq, act_bytes, cp, method, tp=1, sequence
         kept += (L - n_ckpt) * extra
         recompute += extra if n_ckpt else 0
     return kept, recompute
+
+
+def backward_bytes(shape, micro, seq, act_bytes, cp=1, method="ring", tp=1, residual_bytes=4, recompute=0, cached=0):
+    """What backward allocates beyond the kept activations and the block it recomputes (`recompute`, the second of
+    activation_bytes' pair) before it frees it: the high-water mark of one micro-batch's activation memory is
+    activations + this (tools/act_memory.py measures it). The largest of the moments where backward holds the most
+    (measured on fake tensors, 2026-12-03), each with everything forward kept still alive:
+      the end of forward, in the loss: below float32, a chunk of the logits cast to float32 (model.CrossEntropy,
+        2^20 elements at most); and `cached`, what lives until forward ends and no longer: autocast's cache of
+        bf16 weights (every block's, the checkpointed ones' too, until the autocast context exits)
+      the head's backward: its weight's gradient as the matmul writes it (V d / tp in the compute dtype) and,
+        below float32, its float32 copy for .grad, until the gradient is accumulated; its input's gradient (b s d)
+      the final norm's backward (model.RMSNormFn): its float32 arithmetic, three b s d temporaries and, below
+        float32, the incoming gradient cast to float32
+      the last block's MLP backward, on top of the block recomputed: the gradient of the MLP's hidden units
+        (b s f) and the residual's (b s d, float32), the final norm's tensors freed by then
+      the last block's attention backward under context parallelism, its MLP's tensors freed by then: the ring's
+        float32 dQ, the output's gradient, K, V held and incoming (one on 2 ranks), every dK, dV accumulator on
+        the way round (its own, the one computed, the one arriving, the one leaving), float32, and a block
+        kernel's gradients (on 2 ranks, at the last step: its own and the one computed beside the kernel's, then
+        the one arriving); the all-gather's, the whole sequence's dK, dV (the reduce-scatter's input) beside a
+        block kernel's gradients, then beside its own slice
+    The model's weights' gradients otherwise belong to the state (state_bytes); the loss's gradient overwrites the
+    saved logits (model.CrossEntropy)."""
+    V, last = shape["vocab"], shape.get("last", True)
+    d, kv, hidden, wide, _ = dims(shape)
+    ab, rb, t = act_bytes, residual_bytes, micro * (seq // cp)
+    low = ab < 4  # a float32 copy of a half-precision gradient
+    forward = cached + min(t * V / tp, 2 ** 20) * 4 * low * last
+    head = (V * d / tp * (ab + 4 * low) + t * d * ab) * last
+    norm = t * d * 4 * (3 + low) * last
+    mlp = recompute + t * (hidden * ab / tp + d * 4 - (d * rb + 4 + d * ab) * last)
+    attention = 0
+    if cp > 1:
+        kv_b = 2 * kv / tp * t  # elements of one rank's K, V
+        freed = t * (wide * hidden * ab / tp + d * rb + 4 + d * ab)  # the last block's MLP and second norm
+        kernel = t * (d / tp + kv / tp) * (ab + 4 * low)  # a block's dq, and dk, dv of half the tokens
+        if method == "ring" and cp > 2:
+            held = 2 * kv_b * ab + 4 * kv_b * 4 + kernel
+        elif method == "ring":  # the last step: no K, V incoming; the kernel's gradients freed before the third
+            held = kv_b * ab + max(2 * kv_b * 4 + kernel, 3 * kv_b * 4)
+        else:  # every rank's dK, dV with the block kernel's, then its own slice beside them
+            held = max(cp * kv_b * 4 + kernel, (cp + 1) * kv_b * 4)
+        attention = recompute + t * d / tp * (4 + ab) + held - freed
+    return max(0, max(forward, head, norm, mlp, attention) - recompute)
 
 
 def cp_comm_bytes(shape, micro, seq, act_bytes, accum, cp, method, tp=1, checkpointed=0.0):
@@ -366,14 +437,17 @@ def transient_bytes(layout, shape, P, accum, knobs):
     return 0
 
 
-def autocast_copy_bytes(shape, P, tp):
+def autocast_copy_bytes(shape, P, tp, checkpointed=0.0):
     """bf16 autocast over float32 working weights: each matmul casts its weight to bf16, and autograd keeps that
     copy for the backward of the micro-batch, so a bf16 copy of every matmul weight on the rank (all but the
     embedding, a lookup, and the norm gains) is held from forward to backward. Under FSDP it outlives the unit's
-    reshard: the whole model's. bf16 working weights (parallel.param_dtype=auto under bf16) need no copy
+    reshard: the whole model's. A checkpointed block casts its weights again when it is recomputed, and keeps
+    none (measured, tools/act_memory.py). bf16 working weights (parallel.param_dtype=auto under bf16) need no copy
     (tests/test_bf16.py measures both)."""
-    embedding = shape["vocab"] * shape["n_embd"] / tp if shape.get("first", True) else 0  # pp: the first stage's
-    return 2 * (P - embedding - (2 * shape["n_layer"] + shape.get("last", True)) * shape["n_embd"])
+    d, L = shape["n_embd"], shape["n_layer"]
+    embedding = shape["vocab"] * d / tp if shape.get("first", True) else 0  # pp: the first stage's
+    recast = round(checkpointed * L) * ((dims(shape)[4] - 2 * d) / tp)  # checkpointed blocks' matmul weights
+    return 2 * (P - embedding - (2 * L + shape.get("last", True)) * d - recast)
 
 
 # --- time
@@ -603,16 +677,18 @@ def _predict(cfg, layout, ac, shape, plan):
     spread = Counter({("tp", "all_reduce"): 2 * (2 * shape["n_layer"] + shape.get("last", True)) * shape["n_embd"]
                       * 4}) if tp > 1 and knobs["sequence_parallel"] and layout.sharded \
         else Counter()
+    # the residual stream (and so a checkpointed block's input) in the working weights' dtype
+    residual = DTYPE_BYTES[knobs["param_dtype"]]
+    selective = ac == "selective"
     kept, recompute = cp_activation_bytes(shape, t.micro_batch_size, t.seq_len, act_bytes, cp, method, tp,
-                                          knobs["sequence_parallel"], checkpointed)
+                                          knobs["sequence_parallel"], checkpointed, residual, selective)
     memory = {**state, "transient": transient_bytes(layout, shape, P, accum, knobs),
               "activations": kept + recompute,
-              "autocast copies": autocast_copy_bytes(shape, P, tp) if act_bytes == 2 and
+              "autocast copies": autocast_copy_bytes(shape, P, tp, checkpointed) if act_bytes == 2 and
               knobs["param_dtype"] == "float32" else 0}
-    if cp > 1 and method == "ring":
-        # parallel/cp.py computes each block's scores explicitly (no flash kernel): in backward about three fp32
-        # (b, H/tp, 2C, 2C) matrices at once (probabilities, their gradient, the scores')
-        memory["ring scores"] = 3 * t.micro_batch_size * shape["n_head"] / tp * (t.seq_len // cp) ** 2 * 4
+    cached = autocast_copy_bytes(shape, P, tp) - memory["autocast copies"] if memory["autocast copies"] else 0
+    memory["backward buffers"] = backward_bytes(shape, t.micro_batch_size, t.seq_len, act_bytes, cp, method, tp,
+                                                residual, recompute, cached)
     # as parallel/comm.py files them: beside cp the data strategy reduces over dp x cp (HSDP: dp_shard x cp)
     dims = {"dp": "dp_cp", "dp_shard": "dp_shard_cp"} if cp > 1 else {}
     # dp_shard and dp_replicate as the theory sees them: the ranks of a shard (dp x cp, HSDP's dp_shard) and of a
@@ -771,17 +847,17 @@ def report(cfg, shape, layout=None):
         "",
         "memory per rank (GB)",
     ]
-    for ac in ("none", "full"):
+    for ac in ("none", "selective", "full"):
         p = predict(cfg, layout, ac=ac, shape=shape, plan=plan)
         m = p["memory"]
         if ac == "none":
             master = f"   fp32 master {gb(m['master'])}" if "master" in m else ""
-            scores = f"   ring scores {gb(m['ring scores'])}" if "ring scores" in m else ""
             lines += [f"  parameters {gb(m['parameters']):>8}{master}   gradients {gb(m['gradients'])}   optimizer "
-                      f"state {gb(m['optimizer'])}   transient {gb(m['transient'])}{scores}"
+                      f"state {gb(m['optimizer'])}   transient {gb(m['transient'])}"
                       + (f"   bf16 autocast copies of fp32 weights {gb(m['autocast copies'])}"
                          if m["autocast copies"] else "")]
-        lines += [f"  activation checkpointing {p['ac']:4s}: activations {gb(m['activations']):>7}, total "
+        lines += [f"  activation checkpointing {p['ac']:9s}: activations {gb(m['activations']):>7}, backward buffers "
+                  f"{gb(m['backward buffers']):>6}, total "
                   f"{gb(p['total_memory']):>7} of {gpu['memory'] * plan.usable_memory / 1e9:.0f} usable: "
                   f"{'fits' if p['fits'] else 'does NOT fit'}"]
     # the gradient norm's scalar all-reduces (clip_comm: 8 bytes each) are in the totals, not rows of their own
@@ -849,15 +925,6 @@ def rule_book(cfg, layout):
     return config.layout_problem(cfg, layout, compute_dtype(cfg.train))
 
 
-def untheorized(cfg):
-    """Why the planner has no numbers for this config's settings (not its layout), or None: the dry run, which sets
-    its measurement beside the planner's, refuses the same."""
-    if cfg.train.activation_checkpointing == "selective":  # what it keeps is not measured against the theory yet
-        return ("train.activation_checkpointing=selective: the planner has no measured theory of what selective "
-                "checkpointing keeps yet; plan with none or full (its bounds)")
-    return None
-
-
 def check(cfg):
     """Everything the planner can know wrong before it plans: the cluster (check_plan), the settings
     (config.validate), the run's own rules on plan.world GPUs (config.rules: the model's, the layout's degrees and
@@ -867,9 +934,6 @@ def check(cfg):
     if problem:
         raise config.ConfigError(problem)
     config.validate(cfg)
-    problem = untheorized(cfg)
-    if problem:
-        raise config.ConfigError(problem)
     layout = config.rules(cfg, cfg.plan.world, compute_dtype(cfg.train))
     problem = cluster_problem(layout, cfg.plan)
     if problem:
