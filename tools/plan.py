@@ -704,8 +704,10 @@ def _predict(cfg, layout, ac, shape, plan):
     if cp > 1:
         out["balance"] = cp_balance(t.seq_len, cp)
     if plan is not None:
-        seconds, parts = step_time(layout, shape, accum, t.micro_batch_size, t.seq_len, comm, knobs, checkpointed,
-                                   plan, act_bytes)
+        # selective recomputes memory-bound ops only, which the time model leaves out (under cp the ring's
+        # attention runs again too: left out as well)
+        seconds, parts = step_time(layout, shape, accum, t.micro_batch_size, t.seq_len, comm, knobs,
+                                   0.0 if selective else checkpointed, plan, act_bytes)
         parts["each"] = Counter({(dims.get(d, d), k): v for (d, k), v in parts["each"].items()})
         tokens = t.global_batch_size * t.seq_len
         out.update(step_s=seconds, time=parts, tok_per_s=tokens / seconds,
