@@ -109,7 +109,9 @@ def rects(shape, origin, start, n):
     rectangles [(global offsets, sizes, position in the range)]: the end of a row, whole rows, the start of a row."""
     if len(shape) == 1:
         return [((origin[0] + start,), (n,), 0)]
-    assert len(shape) == 2, shape  # the GPT's parameters are matrices and vectors
+    if len(shape) > 2 and start == 0 and n == math.prod(shape):  # stacked experts (model.py's MoE), held whole
+        return [(tuple(origin), tuple(shape), 0)]
+    assert len(shape) == 2, shape  # matrices and vectors; the experts' stacks only whole (no flat shards of them)
     cols, out, pos = shape[1], [], 0
     row, col = divmod(start, cols)
     if col:
@@ -147,7 +149,8 @@ def _layout(par):
             out[name] = Entry(tuple(p.shape), tuple(p.shape), (0,) * p.dim(), [], [(p, 0)], dtensor=p)
             continue
         local_shape = par.data.shape(p)
-        shape, origin = par.tp.global_layout(name, p) if par.tp.size > 1 else (local_shape, (0,) * len(local_shape))
+        shape, origin = par.tp.global_layout(name, p) if par.tp.size > 1 else par.ep.global_layout(name, p) \
+            if par.ep.expert(name) else (local_shape, (0,) * len(local_shape))
         model_h, optim_h = par.data.holders(p)
         out[name] = Entry(shape, local_shape, origin, model_h, optim_h)
     return out

@@ -88,6 +88,7 @@ class Parallel:
     pp: Optional[int] = at_least(1)
     pp_schedule: str = choice(*PP_SCHEDULES)
     pp_virtual: int = at_least(1)
+    ep: int = at_least(1)
 
 
 @dataclass
@@ -105,6 +106,21 @@ class Model:  # Optional throughout: model=hf leaves them null for train.init_fr
     rope_theta: Optional[float] = above(0)
     norm_eps: Optional[float] = field(default=None, metadata={"gt": 0})
     qkv_bias: Optional[bool] = MISSING
+    # mixture of experts (model.py's MoE): n_experts 0 is a dense model, and the rest must then stay null
+    n_experts: int = at_least(0)
+    top_k: Optional[int] = at_least(1)
+    moe_every: Optional[int] = at_least(1)
+    dense_layers: Optional[int] = at_least(0)
+    n_shared_experts: Optional[int] = at_least(0)
+    expert_ffn_hidden: Optional[int] = at_least(1)
+    router: Optional[str] = choice("aux", "bias")
+    aux_loss_coef: Optional[float] = at_least(0)
+    bias_update_rate: Optional[float] = at_least(0)
+    capacity_factor: Optional[float] = field(default=None, metadata={"gt": 0})
+
+
+MOE_SETTINGS = ("top_k", "moe_every", "dense_layers", "n_shared_experts", "expert_ffn_hidden", "router",
+                "aux_loss_coef", "bias_update_rate", "capacity_factor")
 
 
 @dataclass
@@ -234,10 +250,11 @@ def validate(cfg):
 def model_config(cfg, vocab_size):
     """The GPT's shape from cfg.model, with the tokenizer's vocab where model.vocab_size is null."""
     m = cfg.model
+    moe = {k: m.get(k) for k in ("n_experts", *MOE_SETTINGS) if m.get(k) is not None}  # null: GPTConfig's default
     return GPTConfig(vocab_size=m.vocab_size or vocab_size, block_size=m.block_size, n_layer=m.n_layer,
                      n_head=m.n_head, n_embd=m.n_embd, n_kv_head=m.n_kv_head, mlp=m.mlp, ffn_hidden=m.ffn_hidden,
                      ffn_multiple=m.ffn_multiple, tie_embeddings=m.tie_embeddings, rope_theta=m.rope_theta,
-                     norm_eps=m.norm_eps, qkv_bias=m.qkv_bias)
+                     norm_eps=m.norm_eps, qkv_bias=m.qkv_bias, **moe)
 
 
 def resolved(p, layout, dtype):
@@ -267,6 +284,20 @@ def check_model(m):
     if m.n_kv_head and m.n_head % m.n_kv_head:
         return (f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head}: each key/value head serves an "
                 f"equal group of query heads")
+    n_experts = m.get("n_experts") or 0
+    if not n_experts:
+        set_ = [k for k in MOE_SETTINGS if m.get(k) is not None]
+        if set_:
+            return (f"model.{set_[0]}={m.get(set_[0])} is a mixture-of-experts setting, but model.n_experts=0 (a dense "
+                    f"model); set model.n_experts, or leave model.{set_[0]} null")
+        return None
+    top_k = m.get("top_k") or 2
+    if top_k > n_experts:
+        return f"model.top_k={top_k} is more than model.n_experts={n_experts}: a token can't go to more experts than exist"
+    dense, every = m.get("dense_layers") or 0, m.get("moe_every") or 1
+    if dense + every > m.n_layer:
+        return (f"model.dense_layers={dense} and model.moe_every={every} leave no MoE block among model.n_layer="
+                f"{m.n_layer}; lower them, or set model.n_experts=0")
     return None
 
 

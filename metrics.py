@@ -126,6 +126,18 @@ class Meter:
         return r
 
 
+def router_record(stats, micro_batches):
+    """What a step's router statistics (Parallelized.router_stats: per MoE block, tokens per expert, then dropped
+    assignments and summed balancing losses, over the whole batch) put in metrics.jsonl: `micro_batches` the
+    batch's micro-batch forwards summed over the data-parallel ranks (accumulation x dp x cp)."""
+    rows = stats.tolist()
+    load = [[int(c) for c in r[:-2]] for r in rows]
+    worst = max(max(r) / (sum(r) / len(r)) if sum(r) else 1.0 for r in load)
+    return {"moe_tokens_per_expert": load, "moe_load_max_over_mean": worst,
+            "moe_dropped": int(sum(r[-2] for r in rows)),
+            "moe_aux_loss": sum(r[-1] for r in rows) / (len(rows) * micro_batches)}
+
+
 def peak_memory_mb(device):
     """The most memory this process has held: allocated on the GPU (cuda:N), or the process's peak RSS on a CPU."""
     if str(device).startswith("cuda"):

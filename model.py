@@ -22,6 +22,9 @@ Design choices:
   CPU fresh large tensors cost page faults, and that is most of what these save. Compiled, the same math as plain
   ops, which the compiler fuses itself (faster there than the Functions, measured). With tests/test_model.py
   checking them against torch's, `python -m tools.model_bench` timing us against a plain GPT-2: docs/benchmarks.md.
+- Mixture of experts (MoE): with n_experts > 0, every moe_every-th block after the first dense_layers has a routed
+  mixture of n_experts MLPs (each token to its top_k, plus n_shared_experts every token passes through) in the
+  MLP's place; the class's docstring says how it routes, balances and drops.
 - Untied input embedding and output head by default. Every parameter then belongs to exactly one piece of the
   model (embedding, a block, or norm + head), which is what FSDP units, pipeline stages and tensor-parallel
   sharding want. `tie_embeddings=true` (Llama 3.2 1B, Qwen2 0.5B) makes the head's weight the embedding's; the
@@ -58,6 +61,17 @@ class GPTConfig:
     norm_eps: Optional[float] = None  # None: torch's RMSNorm default, the dtype's machine epsilon
     qkv_bias: bool = False
     vocab_multiple: int = 128
+    # mixture of experts (MoE below): n_experts 0 is a dense model
+    n_experts: int = 0  # routed experts in each MoE block
+    top_k: int = 2  # experts each token is sent to
+    moe_every: int = 1  # every moe_every-th block (after the dense_layers) is an MoE block; the others dense
+    dense_layers: int = 0  # the first blocks kept dense (DeepSeek-V3 keeps 3)
+    n_shared_experts: int = 0  # experts every token passes through, beside its routed ones (DeepSeek)
+    expert_ffn_hidden: Optional[int] = None  # each expert's hidden units; None: the dense MLP's
+    router: str = "aux"  # aux: a load-balancing loss | bias: DeepSeek-V3's auxiliary-loss-free bias
+    aux_loss_coef: float = 0.01  # router=aux: the loss's weight (Switch Transformer's alpha)
+    bias_update_rate: float = 0.001  # router=bias: each step's bias change (DeepSeek-V3's gamma)
+    capacity_factor: Optional[float] = None  # None: dropless; else each expert takes ceil(cf x tokens x k / E)
 
     @property
     def padded_vocab_size(self):
@@ -82,6 +96,19 @@ class GPTConfig:
             return 4 * self.n_embd
         m = self.ffn_multiple
         return (int(8 * self.n_embd / 3) + m - 1) // m * m
+
+    @property
+    def expert_hidden(self):
+        return self.expert_ffn_hidden or self.hidden
+
+    def is_moe(self, i):
+        """Whether block i is a mixture-of-experts block."""
+        j = i - self.dense_layers
+        return self.n_experts > 0 and j >= 0 and (j + 1) % self.moe_every == 0
+
+    @property
+    def n_moe(self):
+        return sum(self.is_moe(i) for i in range(self.n_layer))
 
 
 def rope_tables(cfg, device):
@@ -251,11 +278,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """GELU: down(gelu(up(x))). SwiGLU (Shazeer, 2020): down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, hidden=None):
         super().__init__()
-        self.gate = nn.Linear(cfg.n_embd, cfg.hidden, bias=False) if cfg.mlp == "swiglu" else None
-        self.up = nn.Linear(cfg.n_embd, cfg.hidden, bias=False)
-        self.down = nn.Linear(cfg.hidden, cfg.n_embd, bias=False)
+        hidden = hidden or cfg.hidden
+        self.gate = nn.Linear(cfg.n_embd, hidden, bias=False) if cfg.mlp == "swiglu" else None
+        self.up = nn.Linear(cfg.n_embd, hidden, bias=False)
+        self.down = nn.Linear(hidden, cfg.n_embd, bias=False)
 
     def forward(self, x):
         if self.gate is None:
@@ -263,13 +291,143 @@ class MLP(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
-class Block(nn.Module):
+def grouped_mm(x, w, counts):
+    """Rows of x in runs by group (counts[g] rows for group g, in order) times each group's matrix w[g]: (rows, a) x
+    (G, a, b) -> (rows, b). torch's grouped matmul where it takes the shapes (rows 16-byte aligned: a and b multiples
+    of 4 floats, 8 halves) and the device (any in bf16; float32 on the CPU); a loop over the groups otherwise."""
+    aligned = (w.size(1) * w.element_size()) % 16 == 0 and (w.size(2) * w.element_size()) % 16 == 0
+    if aligned and (w.dtype == torch.bfloat16 or x.device.type == "cpu") and x.dtype == w.dtype:
+        return torch._grouped_mm(x, w, offs=counts.cumsum(0).to(torch.int32))
+    return torch.cat([xs @ wg for xs, wg in zip(x.split(counts.tolist()), w.to(x.dtype))])
+
+
+class Experts(nn.Module):
+    """n experts, each an MLP of the model's kind (GELU or SwiGLU) and expert_hidden units, their weights stacked
+    (n, in, out) so that all of them run as one grouped matmul per projection over tokens sorted by expert."""
+
+    def __init__(self, cfg, n):
+        super().__init__()
+        d, h = cfg.n_embd, cfg.expert_hidden
+        self.gate = nn.Parameter(torch.empty(n, d, h)) if cfg.mlp == "swiglu" else None
+        self.up = nn.Parameter(torch.empty(n, d, h))
+        self.down = nn.Parameter(torch.empty(n, h, d))
+
+    def forward(self, x, counts):
+        """x: (rows, d), counts[e] rows for expert e in a row (of this module's experts)."""
+        up = grouped_mm(x, self.up, counts)
+        h = F.gelu(up) if self.gate is None else F.silu(grouped_mm(x, self.gate, counts)) * up
+        return grouped_mm(h, self.down, counts)
+
+
+class AuxLoss(torch.autograd.Function):
+    """Adds a loss's gradient without adding the loss: forward returns y as it is, backward sends `scale` as the
+    gradient of `aux`. So the router's balancing loss trains wherever its block runs (a pipeline stage far from the
+    loss too) while the loss that is returned and logged stays the language model's (as Megatron-LM does it)."""
+
+    @staticmethod
+    def forward(ctx, y, aux, scale):
+        ctx.scale = scale
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full((), ctx.scale, device=grad.device), None
+
+
+class MoE(nn.Module):
+    """A mixture of experts in the MLP's place (Shazeer et al., 2017; GShard; Switch Transformer; Mixtral;
+    DeepSeek-V3): a linear router scores the n experts for each token (softmax), the token goes to its top_k, and the
+    output is their outputs weighted by the chosen scores renormalized to sum to 1 (Mixtral's rule), plus any shared
+    experts' (which every token passes through).
+
+    - Balance, router=aux: the load-balancing loss n * sum_e f_e P_e (Switch Transformer, eq. 4), f_e the fraction
+      of the micro-batch's k x tokens routed to e, P_e its mean score, weighted by aux_loss_coef; its gradient is
+      added (AuxLoss) x aux_scale, the factor the training loop scales the loss by (1 / accumulation steps).
+      router=bias: DeepSeek-V3's auxiliary-loss-free balance: a per-expert bias added to the scores for choosing
+      only (the weights stay the scores), moved after each step by bias_update_rate toward the mean load
+      (update_bias, from the step's token counts over the whole batch).
+    - Capacity: dropless by default; with capacity_factor each expert takes at most ceil(cf x tokens x k / n) of a
+      micro-batch's assignments, the earliest tokens first, and the rest are dropped (their output is the shared
+      experts' or 0 for that choice; the residual carries the token on).
+    - `dispatch(tokens, counts)`: the experts' outputs for tokens sorted by expert, counts[e] of them for expert e.
+      An attribute, so that expert parallelism can put its own in place (parallel/ep.py: an all-to-all to the ranks
+      that hold the experts and back).
+    - For the training loop: `load` (tokens each expert was given since the last step, this rank's), `dropped`,
+      `aux` (the summed balancing losses, detached), kept while training and not recomputing."""
+
     def __init__(self, cfg):
+        super().__init__()
+        self.n, self.k, self.rule = cfg.n_experts, cfg.top_k, cfg.router
+        self.coef, self.capacity_factor, self.rate = cfg.aux_loss_coef, cfg.capacity_factor, cfg.bias_update_rate
+        self.router = nn.Linear(cfg.n_embd, cfg.n_experts, bias=False)
+        self.experts = Experts(cfg, cfg.n_experts)
+        self.shared = MLP(cfg, cfg.n_shared_experts * cfg.expert_hidden) if cfg.n_shared_experts else None
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts), persistent=False)
+        self.register_buffer("load", torch.zeros(cfg.n_experts), persistent=False)
+        self.register_buffer("dropped", torch.zeros(()), persistent=False)
+        self.register_buffer("aux", torch.zeros(()), persistent=False)
+        self.dispatch = self.experts.__call__  # (a method, not the module again: it would be a second child)
+        self.aux_scale = 1.0
+
+    def forward(self, x):
+        shape, d = x.shape, x.size(-1)
+        x = x.reshape(-1, d)
+        scores = self.router(x).float().softmax(dim=-1)  # (tokens, n)
+        choose = scores + self.expert_bias if self.rule == "bias" else scores
+        top = choose.topk(self.k, dim=-1).indices  # (tokens, k)
+        weights = scores.gather(1, top)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        flat = top.flatten()  # each assignment's expert, token by token
+        routed = torch.bincount(flat, minlength=self.n)
+        order = flat.argsort(stable=True)  # the assignments grouped by expert, earliest token first in each
+        counts = routed
+        if self.capacity_factor is not None:
+            cap = math.ceil(self.capacity_factor * x.size(0) * self.k / self.n)
+            start = routed.cumsum(0) - routed  # where each expert's run begins in `order`
+            kept = torch.arange(order.numel(), device=x.device) - start[flat[order]] < cap
+            order, counts = order[kept], routed.clamp(max=cap)
+        token = order // self.k
+        out = self.dispatch(x[token], counts)
+        y = torch.zeros_like(x).index_add_(0, token, out * weights.flatten()[order, None].to(out.dtype))
+        if self.shared is not None:
+            y = y + self.shared(x)
+        if self.training and self.rule == "aux" and self.coef > 0:
+            f = routed.to(scores.dtype) / (x.size(0) * self.k)
+            aux = self.n * (f * scores.mean(dim=0)).sum()
+            y = AuxLoss.apply(y, aux, self.coef * self.aux_scale)
+            self.keep(aux=aux)
+        if self.training:
+            self.keep(load=routed, dropped=routed.sum() - counts.sum())
+        return y.view(shape)
+
+    @torch.no_grad()
+    def keep(self, **stats):
+        """Add to the step's statistics, once per forward: not again when activation checkpointing recomputes the
+        block inside backward."""
+        if torch._C._current_graph_task_id() != -1:
+            return
+        for name, value in stats.items():
+            getattr(self, name).add_(value.detach().to(getattr(self, name).dtype))
+
+    @torch.no_grad()
+    def update_bias(self, load):
+        """router=bias, after a step: each expert's bias moves by `rate` up if it had fewer tokens than the mean,
+        down if more (DeepSeek-V3, sec. 2.1.2); `load`: the step's tokens per expert over the whole batch."""
+        self.expert_bias.add_(torch.sign(load.mean() - load), alpha=self.rate)
+
+    @torch.no_grad()
+    def reset_stats(self):
+        for t in (self.load, self.dropped, self.aux):
+            t.zero_()
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, moe=False):
         super().__init__()
         self.norm1 = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.norm2 = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if moe else MLP(cfg)
 
     def forward(self, x, cos, sin):
         x = x + self.attn(self.norm1(x), cos, sin)
@@ -281,7 +439,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, cfg.is_moe(i)) for i in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.head = nn.Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -306,6 +464,9 @@ class GPT(nn.Module):
         parameter) breaks: the head gets the embedding's parameter again."""
         cos, sin = rope_tables(self.cfg, device=device or self.rope_cos.device)
         self.rope_cos, self.rope_sin = cos, sin  # registered buffers: assigning replaces them
+        for moe in self.moe_layers():  # the router's bias and statistics start at zero
+            for name in ("expert_bias", "load", "dropped", "aux"):
+                setattr(moe, name, torch.zeros_like(getattr(moe, name), device=cos.device))
         if self.cfg.tie_embeddings:
             self.head.weight = self.wte.weight
 
@@ -325,7 +486,7 @@ class GPT(nn.Module):
             for w in (q, k, v):
                 nn.init.normal_(w, std=0.02)
             p.copy_(fuse_qkv(q, k, v, c))
-        elif name.endswith(("proj.weight", "down.weight")):
+        elif name.endswith(("proj.weight", "down.weight", "experts.down")):
             nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.cfg.n_layer))
         else:
             nn.init.normal_(p, std=0.02)
@@ -356,19 +517,34 @@ class GPT(nn.Module):
             return F.cross_entropy(logits.float(), targets)
         return CrossEntropy.apply(logits, targets)
 
-    def num_params(self, exclude_embedding=False):
+    def moe_layers(self):
+        """The MoE modules, in block order (none in a dense model)."""
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def set_aux_scale(self, scale):
+        """The factor the training loop scales each micro-batch's loss by (1 / accumulation steps): the balancing
+        losses' gradients take it too."""
+        for moe in self.moe_layers():
+            moe.aux_scale = scale
+
+    def num_params(self, exclude_embedding=False, active=False):
         """Parameters (a tied weight once); `exclude_embedding`: those that take part in a matmul, all but an untied
-        embedding (a lookup; tied, it is the head's matrix too)."""
+        embedding (a lookup; tied, it is the head's matrix too). `active`: of each MoE block's routed experts only
+        the top_k a token passes through (from the config: the same with experts split over ranks)."""
+        c = self.cfg
         n = sum(p.numel() for p in self.parameters())
+        if active and c.n_experts:
+            per_expert = (3 if c.mlp == "swiglu" else 2) * c.n_embd * c.expert_hidden
+            n -= c.n_moe * (c.n_experts - c.top_k) * per_expert
         return n - self.wte.weight.numel() if exclude_embedding and not self.cfg.tie_embeddings else n
 
     def flops_per_token(self, seq_len):
         """Training FLOPs per token: 6N for the matmuls of forward + backward (N = parameters that take part in a
-        matmul) plus 12*L*H*Q*T for attention scores and their weighted sum (PaLM paper, appendix B; H the query
+        matmul, of each MoE block's routed experts the top_k a token passes through) plus 12*L*H*Q*T for attention scores and their weighted sum (PaLM paper, appendix B; H the query
         heads: grouped-query attention shares keys and values, not the scores). Causal masking's savings are not
         subtracted, as is customary."""
         c = self.cfg
-        return 6 * self.num_params(exclude_embedding=True) + 12 * c.n_layer * c.n_head * c.head_dim * seq_len
+        return 6 * self.num_params(exclude_embedding=True, active=True) + 12 * c.n_layer * c.n_head * c.head_dim * seq_len
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=0.8, top_k=50):

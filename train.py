@@ -37,7 +37,7 @@ from data import prepare, shards
 from model import GPT
 from parallel import pp
 from parallel.comm import CommCounter
-from metrics import Meter, Metrics, mfu_peak, peak_memory_mb, profiler, start_record
+from metrics import Meter, Metrics, mfu_peak, peak_memory_mb, profiler, router_record, start_record
 
 
 def check_config(cfg, run_dir, world):
@@ -148,6 +148,7 @@ def run(cfg, run_dir):
     # tensor parallel -> activation checkpointing -> compile -> data parallel + optimizer (parallel/__init__.py)
     p = config.resolved(cfg.parallel, layout, dtype)  # param_dtype=auto made concrete: bf16 working weights
     par = parallel.parallelize(model, layout, p, mesh, lambda m: make_optimizer(m, o), device, t)
+    par.module.set_aux_scale(1 / accum)  # MoE's balancing losses: each micro-batch's loss weighs 1 / accum
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if dtype == "bfloat16" \
         else contextlib.nullcontext()
     peak, why = mfu_peak(t.peak_tflops, device)  # MFU only against a peak someone stated, or a datasheet's
@@ -225,6 +226,7 @@ def run(cfg, run_dir):
                 x, y = x.pin_memory(), y.pin_memory()
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             loss_sum, grad_norm = train_step(par, x, y, accum, t.micro_batch_size, autocast, max_norm)
+            router = par.router_stats()  # MoE: the step's tokens per expert (router=bias moves its biases by them)
             comm_bytes, comm_by_dim = comm.bytes, dict(comm.by_dim)
             log_step = step % t.log_every == 0 or step == t.max_steps
             state = par.state_bytes() if log_step else None  # after the step, before zero_grad: all resident
@@ -242,6 +244,8 @@ def run(cfg, run_dir):
                 checkpoint.check_finite(first_bad, step, last_checkpoint)
             if log_step:
                 record.update(meter.record(loss_sum, grad_norm, accum, lr, comm_bytes, comm_by_dim, state))
+                if router is not None:
+                    record.update(router_record(router, accum * layout.reduce_ranks))
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tok_per_s']:,.0f}", refresh=False)
             if step % t.eval_every == 0 or step == t.max_steps:
                 record["val_loss"] = evaluate(par, val_tokens, t, autocast, rank, world)

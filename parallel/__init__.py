@@ -11,6 +11,7 @@ process, all five at world 32 in the dry run). `parallelize` composes them in on
   0. pipeline stages              parallel/pp.py          over "pp", when pp > 1: this rank keeps its stages only
   1. tensor / sequence parallel   parallel/tp.py          over "tp", when tp > 1
   2. context parallel             parallel/cp.py          over "cp", when cp > 1
+     expert parallel              parallel/ep.py          over ep of the dp x cp ranks, when ep > 1
   3. activation checkpointing     torch.utils.checkpoint  train.activation_checkpointing
   4. compile                      torch.compile           train.compile
   5. data parallel + optimizer    parallel/ddp.py, zero.py, fsdp.py over "dp" (dp x cp under context parallel):
@@ -28,17 +29,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from parallel import cp, ddp, fsdp, pp, tp, zero, zero_deepspeed
-from parallel.strategy import DataParallel, TensorParallel, clip_grad_norm, dp_mesh, materialize, state_bytes
+from parallel import cp, ddp, ep, fsdp, pp, tp, zero, zero_deepspeed
+from parallel.strategy import (DataParallel, ExpertParallel, TensorParallel, clip_grad_norm, dp_mesh, materialize,
+                               state_bytes)
 
 
 
 def _materialized(apply, **kw):
     """A strategy that takes the model whole: materialize it on the device first (only our FSDP materializes one
     shard at a time, itself)."""
-    def applied(model, mesh, p, make_optimizer, device, init_param):
+    def applied(model, mesh, p, make_optimizer, device, init_param, **extra):
         materialize(model, init_param, device)
-        return apply(model, mesh, p, make_optimizer, **kw)
+        return apply(model, mesh, p, make_optimizer, **kw, **extra)
     return applied
 
 
@@ -71,6 +73,8 @@ class Parallelized:
     dp_rank: int = 0  # this rank's coordinate on "dp": which slice of the global batch it takes
     pipeline: object = None  # parallel/pp.py's Pipeline of this rank's stages, when pp > 1
     param_dtype: str = "float32"  # the working weights' dtype, parallel.param_dtype resolved
+    ep: ExpertParallel = ExpertParallel()
+    data_group: object = None  # every data-parallel rank (dp x cp): the router's statistics are summed over it
 
     @property
     def dims(self):
@@ -96,9 +100,27 @@ class Parallelized:
 
     def sync_grads(self):
         self.tp.sync_grads(self.data)
+        self.ep.sync_grads()
 
     def clip_grad_norm(self, max_norm):
-        return clip_grad_norm(self.data, self.tp, self.mesh, max_norm, self.device)
+        return clip_grad_norm(self.data, self.tp, self.mesh, max_norm, self.device, self.ep)
+
+    def router_stats(self):
+        """The step's router statistics of every MoE block (model.py's MoE), summed over the data-parallel ranks:
+        (blocks, n_experts + 2), each row the tokens given to each expert, then the dropped assignments and the
+        summed balancing losses; None for a dense model. Moves router=bias's biases (the same on every rank, from
+        the same sums) and starts the next step's statistics. Left on the device: nothing waits for it."""
+        layers = self.module.moe_layers()
+        if not layers:
+            return None
+        stats = torch.stack([torch.cat([m.load, m.dropped[None], m.aux[None]]) for m in layers])
+        if self.data_group is not None:
+            dist.all_reduce(stats, group=self.data_group)
+        for m, row in zip(layers, stats):
+            if m.rule == "bias":
+                m.update_bias(row[:m.n])
+            m.reset_stats()
+        return stats
 
     def state_bytes(self):
         return state_bytes(self.data)
@@ -121,6 +143,8 @@ def parallelize(model, layout, p, mesh, make_optimizer, device, train):
     if dims["cp"] > 1:
         cp.apply_cp(model, mesh, p)
         data_mesh = cp.data_mesh(mesh)  # gradients are reduced over dp x cp
+    # expert parallel: each MoE block's experts split over ep of the dp x cp ranks, tokens sent by all-to-all
+    par_ep = ep.apply_ep(model, mesh, layout) if layout.ep > 1 else ExpertParallel()
     # 3. activation checkpointing, 4. compile: inside the blocks, so the strategies' hooks on them stay outside
     apply_activation_checkpointing(model, train.activation_checkpointing, train.ac_every)
     if train.compile:
@@ -128,18 +152,21 @@ def parallelize(model, layout, p, mesh, make_optimizer, device, train):
                       split_backward=dims["pp"] > 1 and p.pp_schedule == "zero_bubble")
     # 5. data parallel: ours FSDP materializes one shard at a time; everything else materializes here first. One
     # replica (parallel=single, or tensor parallel alone) needs no strategy; FSDP runs on one rank too, to be timed
-    init_param = par_tp.init_param or model.init_param
+    init_param = par_ep.init_param(par_tp.init_param or model.init_param)
     if pipeline is not None:  # each parameter drawn where single's RNG stream has it
         init_param = pipeline.init_param(init_param)
     if layout.strategy == "none":  # one replica: nothing to reduce
         materialize(model, init_param, device)
         data = DataParallel(model, make_optimizer)
     else:
-        data = DATA_PARALLEL[layout.strategy, layout.impl](model, data_mesh, p, make_optimizer, device, init_param)
+        extra = {"exclude": par_ep.names} if layout.ep > 1 else {}  # the experts: reduced by parallel/ep.py
+        data = DATA_PARALLEL[layout.strategy, layout.impl](model, data_mesh, p, make_optimizer, device, init_param,
+                                                           **extra)
     if pipeline is not None:  # the schedule calls the stages through the data strategy's wrapper and hooks
         pipeline.call, pipeline.no_sync, pipeline.reduce_grads = data.model, data.no_sync, data.reduce_grads
+    data_group = dp_mesh(data_mesh).get_group() if mesh is not None else None
     return Parallelized(data.model, data.module, data.optimizer, data, par_tp, mesh, layout, device, dp_rank,
-                        pipeline, p.param_dtype)
+                        pipeline, p.param_dtype, par_ep, data_group)
 
 
 # What selective checkpointing keeps: the outputs of the ops that cost FLOPs (matmuls, attention kernels); the rest

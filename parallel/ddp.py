@@ -38,11 +38,12 @@ class BucketState:
 
 
 class DDP(nn.Module):
-    def __init__(self, module, bucket_mb=25, reduce_dtype=torch.float32, group=None):
+    def __init__(self, module, bucket_mb=25, reduce_dtype=torch.float32, group=None, exclude=()):
         super().__init__()
         self.module, self.group, self.reduce_dtype = module, group, reduce_dtype
         self.world = dist.get_world_size(group)
-        params = [p for p in module.parameters() if p.requires_grad]
+        # `exclude`: names of parameters another strategy reduces (expert parallelism's experts, parallel/ep.py)
+        params = [p for n, p in module.named_parameters() if p.requires_grad and n not in exclude]
         src = dist.get_global_rank(group, 0) if group is not None else 0
         for p in params:  # every rank starts from the same weights, whatever its own init did
             dist.broadcast(p.data, src=src, group=group)
@@ -96,10 +97,10 @@ class Replicated(DataParallel):
         self.model.reduce_grads()
 
 
-def apply_ddp(model, mesh, p, make_optimizer):
-    """Ours: the module wrapped in DDP over the mesh's dp group."""
-    return Replicated(DDP(model, p.bucket_mb, DTYPES[p.reduce_dtype], group=mesh.get_group("dp")), make_optimizer,
-                      module=model)
+def apply_ddp(model, mesh, p, make_optimizer, exclude=()):
+    """Ours: the module wrapped in DDP over the mesh's dp group (all but the parameters named in `exclude`)."""
+    return Replicated(DDP(model, p.bucket_mb, DTYPES[p.reduce_dtype], group=mesh.get_group("dp"), exclude=exclude),
+                      make_optimizer, module=model)
 
 
 # --- torch's twin

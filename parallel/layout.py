@@ -81,7 +81,7 @@ class Layout:
     tp: int = 1
     data: str = "none"  # parallel.data, as configured: none | ddp | zero1 | zero2 | fsdp
     impl: str = "scratch"  # parallel.impl: scratch | torch | deepspeed
-    ep: int = 1  # expert parallel (ranks within dp x cp); 1 until experts exist
+    ep: int = 1  # expert parallel: each MoE block's experts split over ep ranks from within dp x cp (parallel/ep.py)
 
     @classmethod
     def from_config(cls, p, world):
@@ -108,7 +108,7 @@ class Layout:
         if shard * replicate != dp:
             raise LayoutError(f"parallel.dp_replicate={replicate} x parallel.dp_shard={shard} = {shard * replicate}, "
                               f"but the data-parallel size is dp={dp}")
-        layout = cls(world, pp, replicate, shard, cp, tp, p.data, p.impl)
+        layout = cls(world, pp, replicate, shard, cp, tp, p.data, p.impl, p.get("ep", 1))
         problem = layout._mesh_problem()
         if problem:
             raise LayoutError(problem)
@@ -190,15 +190,18 @@ class Layout:
             name = "tp" if name in ("single", "ddp") else f"{name}_tp"
         if self.cp > 1:
             name = "cp" if name in ("single", "ddp") else f"{name}_cp"
+        if self.ep > 1:
+            name = f"{name}_ep"
         if self.pp > 1:
             return "pp" if name == "single" or (name == "ddp" and self.dp == 1) else f"pp_{name}"
         return name
 
     def describe(self):
-        """'pp=2 x dp=2 (dp_replicate=2 x dp_shard=1) x tp=2': the degrees above 1 (dp always)."""
+        """'pp=2 x dp=2 (dp_replicate=2 x dp_shard=1) x tp=2': the degrees above 1 (dp always), and ep (which
+        takes its ranks from dp x cp: no factor of the world of its own)."""
         split = f" (dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard})" if self.dp_replicate > 1 else ""
         return " x ".join(f"{k}={v}{split if k == 'dp' else ''}" for k, v in self.dims.items()
-                          if v > 1 or k == "dp")
+                          if v > 1 or k == "dp") + (f", ep={self.ep} within dp x cp" if self.ep > 1 else "")
 
     def record(self):
         """What metrics.jsonl and a checkpoint's state.json say of the layout."""
@@ -244,7 +247,7 @@ class Layout:
         for rule in (self._degrees_problem(p), self._strategy_problem(p, dtype, compile_),
                      self._tp_problem(p, model, seq_len, compile_), self._cp_problem(p, seq_len, compile_),
                      self._fsdp_problem(p, model, cpu_bf16), self._dtype_problem(p, dtype, bf16),
-                     self._tie_problem(model)):
+                     self._tie_problem(model), self._moe_problem(model)):
             if rule:
                 return rule
         if global_batch is None:
@@ -394,6 +397,37 @@ class Layout:
         if self.working_dtype(p.param_dtype, dtype) == "bfloat16" and not bf16:
             return ("parallel.param_dtype=bfloat16: this device can't compute in bfloat16; use "
                     "parallel.param_dtype=float32")
+        return None
+
+    def _moe_problem(self, model):
+        """Mixture of experts (model.py's MoE) and expert parallelism (parallel/ep.py): what is built so far."""
+        n, ep = model.n_experts, self.ep
+        if ep > 1 and not n:
+            return (f"parallel.ep={ep} splits each MoE block's experts over ranks, but the model has none "
+                    f"(model.n_experts=0)")
+        if not n:
+            return None
+        for degree, why in (("tp", "tensor parallelism's plan splits the dense MLP's matrices, not the experts'"),
+                            ("cp", "the balancing loss and the capacity are taken over each rank's own tokens, not "
+                                   "yet over the whole sequence's"),
+                            ("pp", "the router's statistics are not yet gathered from the pipeline's stages")):
+            if getattr(self, degree) > 1:
+                return (f"model.n_experts={n} with parallel.{degree}={getattr(self, degree)}: not built yet ({why}); "
+                        f"use parallel.{degree}=1")
+        if self.strategy not in ("none", "ddp"):
+            return (f"model.n_experts={n} with parallel.data={self.data}: not built yet (checkpoints of flat shards "
+                    f"of the experts' stacked weights); use parallel.data=ddp")
+        if ep == 1:
+            return None
+        if n % ep:
+            return f"parallel.ep={ep} must divide model.n_experts={n}: each ep rank holds an equal share of the experts"
+        if self.reduce_ranks % ep:
+            return (f"parallel.ep={ep} takes its ranks from the {self.reduce_ranks} data-parallel ranks (dp x cp), "
+                    f"and must divide them")
+        if self.data != "ddp" or self.impl != "scratch":
+            return (f"parallel.ep={ep} with parallel.data={self.data} parallel.impl={self.impl}: expert parallelism "
+                    f"runs beside ours DDP so far (parallel.data=ddp parallel.impl=scratch); the other data "
+                    f"strategies and the twins are not wired to it yet")
         return None
 
     def _pp_problem(self, p, model, micro_batches, ac="none"):

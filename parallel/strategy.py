@@ -90,6 +90,23 @@ class TensorParallel:
         return tuple(p.shape), (0,) * p.dim()
 
 
+class ExpertParallel:
+    """Expert parallelism (parallel/ep.py): its degree, which parameters are experts (split over the ep group, left
+    alone by the data strategy), how it fills them from single's draw, and the reduction their gradients still need
+    after backward. This base class is ep = 1: every expert on every rank, reduced as any parameter."""
+    size = 1
+    group = None
+
+    def init_param(self, inner):
+        return inner
+
+    def expert(self, name):
+        return False
+
+    def sync_grads(self):
+        pass
+
+
 def dp_mesh(mesh):
     """The mesh of all data-parallel ranks, one dimension: Layout.build_mesh's ("dp_replicate", "dp_shard")
     flattened (flattening again returns that one; slicing "dp" off the root mesh works too, but torch deprecates
@@ -162,7 +179,7 @@ def clip_shards(grad_shards, max_norm, group=None, device=None, weights=None):
     return norm
 
 
-def clip_grad_norm(data, tp, mesh, max_norm, device):
+def clip_grad_norm(data, tp, mesh, max_norm, device, ep=ExpertParallel()):
     """Clip to max_norm (inf: don't) and return the global gradient norm, wherever the gradients live.
 
     DTensor gradients (torch's FSDP2, HSDP included, and tensor parallel): torch's clipping reduces over their
@@ -184,6 +201,10 @@ def clip_grad_norm(data, tp, mesh, max_norm, device):
         dist.all_reduce(sq, group=pp)
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, sq.sqrt())
         return sq.sqrt()
+    if ep.size > 1:  # experts disjoint within the ep group, the rest equal on every rank (parallel/ep.py, step 5)
+        pieces = data.grad_pieces()
+        return clip_shards([g for _, g in pieces], max_norm, ep.group, device,
+                           weights=[1.0 if ep.expert(n) else 1 / ep.size for n, _ in pieces])
     if not data.grads_sharded and tp.size == 1:
         if pp is None:
             return torch.nn.utils.clip_grad_norm_(params, max_norm)

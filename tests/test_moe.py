@@ -1,0 +1,170 @@
+"""Mixture of experts (model.py's MoE) and expert parallelism (parallel/ep.py): the MoE block against a token-by-token
+loop, capacity's drops against an independent count, the balancing loss against its formula (and its gradient
+against autograd's of the loss added), the statistics not counted twice under activation checkpointing; ep=2 over
+DDP equal to parallel=single in loss, grad_norm, val_loss, tokens per expert and final weights, and its all-to-all
+bytes summed as theory has them; the refusals, in one line."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import model as M
+from conftest import assert_refused, assert_same_steps, assert_same_weights, losses, make_cfg, read_metrics, \
+    small_run, torchrun
+
+CFG = dict(vocab_size=256, n_layer=2, n_head=2, n_embd=32, n_experts=4, top_k=2, mlp="swiglu", ffn_hidden=64,
+           n_shared_experts=1)
+
+
+def moe_block(**kw):
+    torch.manual_seed(0)
+    m = M.GPT(M.GPTConfig(**{**CFG, **kw}))
+    m.init_weights()
+    return m, m.blocks[1].mlp
+
+
+def loop_reference(moe, h):
+    """Each token on its own: softmax scores, top-k (chosen by score + bias), weights renormalized."""
+    E, out = moe.experts, []
+    for t in h:
+        s = moe.router(t).float().softmax(-1)
+        i = (s + moe.expert_bias).topk(moe.k).indices if moe.rule == "bias" else s.topk(moe.k).indices
+        w = s[i] / s[i].sum()
+        y = moe.shared(t) if moe.shared is not None else torch.zeros_like(t)
+        for wi, e in zip(w, i):
+            y = y + wi * ((F.silu(t @ E.gate[e]) * (t @ E.up[e])) @ E.down[e])
+        out.append(y)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("kw", [{}, {"router": "bias"}, {"mlp": "gelu", "n_shared_experts": 0}])
+def test_moe_equals_token_loop(kw):
+    m, moe = moe_block(**kw)
+    if kw.get("router") == "bias":
+        moe.expert_bias.copy_(torch.tensor([0.5, 0.0, -0.5, 0.2]))  # changes the choice, not the weights
+    if kw.get("mlp") == "gelu":
+        E = moe.experts
+        ref = []
+        h = torch.randn(7, 32)
+        for t in h:
+            s = moe.router(t).softmax(-1)
+            v, i = s.topk(2)
+            ref.append(sum(w / v.sum() * (F.gelu(t @ E.up[e]) @ E.down[e]) for w, e in zip(v, i)))
+        torch.testing.assert_close(moe.eval()(h[None])[0], torch.stack(ref), rtol=1e-5, atol=1e-6)
+        return
+    h = torch.randn(7, 32)
+    torch.testing.assert_close(moe.eval()(h[None])[0], loop_reference(moe, h), rtol=1e-5, atol=1e-6)
+
+
+def test_capacity_drops_the_latest_tokens():
+    m, moe = moe_block(capacity_factor=0.5)
+    h = torch.randn(1, 20, 32)
+    moe.train()
+    moe.reset_stats()
+    y = moe(h)[0]
+    s = moe.router(h[0]).softmax(-1)
+    top = s.topk(2).indices
+    cap = math.ceil(0.5 * 20 * 2 / 4)
+    seen, dropped, keep = [0] * 4, 0, []
+    for t in range(20):  # token order: the earliest tokens take an expert's places first
+        for e in top[t].tolist():
+            keep.append(seen[e] < cap)
+            dropped += seen[e] >= cap
+            seen[e] += 1
+    assert int(moe.dropped) == dropped > 0
+    assert moe.load.tolist() == seen  # routed, dropped or not
+    # a token with both choices dropped gets the shared expert's output alone
+    both = [t for t in range(20) if not keep[2 * t] and not keep[2 * t + 1]]
+    for t in both:
+        torch.testing.assert_close(y[t], moe.shared(h[0, t]))
+
+
+def test_aux_loss_is_the_switch_formula_and_its_gradient():
+    m, moe = moe_block(aux_loss_coef=0.1)
+    x = torch.randint(0, 256, (2, 16))
+    m.set_aux_scale(0.5)
+    (m(x, x) * 0.5).backward()
+    got = {n: p.grad.clone() for n, p in m.named_parameters()}
+    aux = [float(l.aux) for l in m.moe_layers()]
+    # the reference: the loss plus 0.1 x the formula, computed apart, with no AuxLoss
+    m.zero_grad()
+    for l in m.moe_layers():
+        l.coef = 0.0
+    terms = []
+
+    def hook(mod, args, out):
+        h = args[0].reshape(-1, 32)
+        s = mod.router(h).float().softmax(-1)
+        f = torch.bincount(s.topk(2).indices.flatten(), minlength=4).float() / (h.size(0) * 2)
+        terms.append(4 * (f * s.mean(0)).sum())
+    for l in m.moe_layers():
+        l.register_forward_hook(hook)
+    loss = m(x, x)
+    ((loss + 0.1 * sum(terms)) * 0.5).backward()
+    assert aux == pytest.approx([float(t) for t in terms], rel=1e-6)
+    for n, p in m.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, rtol=1e-5, atol=1e-8, msg=lambda s, n=n: f"{n}: {s}")
+
+
+def test_statistics_once_under_activation_checkpointing():
+    from parallel import apply_activation_checkpointing
+    x = torch.randint(0, 256, (2, 16))
+    counts = []
+    for ac in ("none", "full"):
+        m, _ = moe_block()
+        apply_activation_checkpointing(m, ac)
+        m(x, x).backward()
+        counts.append([l.load.tolist() for l in m.moe_layers()])
+    assert counts[0] == counts[1] and sum(counts[0][0]) == 2 * 16 * 2
+
+
+def test_bias_moves_toward_the_mean():
+    m, moe = moe_block(router="bias", bias_update_rate=0.01)
+    moe.update_bias(torch.tensor([10.0, 2.0, 5.0, 3.0]))  # mean 5
+    assert moe.expert_bias.tolist() == pytest.approx([-0.01, 0.01, 0.0, 0.01])
+
+
+def test_grouped_mm_equals_loop():
+    x, w = torch.randn(10, 32), torch.randn(3, 32, 16)
+    counts = torch.tensor([3, 0, 7])
+    ref = torch.cat([x[:3] @ w[0], x[3:] @ w[2]])
+    torch.testing.assert_close(M.grouped_mm(x, w, counts), ref)
+    torch.testing.assert_close(M.grouped_mm(x[:, :30], w[:, :30, :15].contiguous(), counts),
+                               torch.cat([x[:3, :30] @ w[0, :30, :15], x[3:, :30] @ w[2, :30, :15]]))  # the loop
+
+
+MOE = ("model.n_experts=4", "model.top_k=2", "train.global_batch_size=8", "train.micro_batch_size=2",
+       "train.max_steps=3", "train.eval_every=100", "checkpoint.keep=1")
+
+
+def test_ep_over_ddp_equals_single(tmp_path):
+    import train
+    ref = str(tmp_path / "single")
+    train.run(make_cfg(*small_run(*MOE)), ref)
+    run = tmp_path / "ep"
+    torchrun(2, run, *small_run(*MOE, "parallel=ddp", "parallel.ep=2"))
+    # grad_norm: single's is torch's clip_grad_norm_, whose float32 norm of a large tensor accumulates serially on
+    # the CPU (1.6e-5 off float64 at 2M values, measured 2026-12-04); ep sums squares by pairwise sums
+    assert_same_steps(str(run), ref, rtol={"loss": 1e-6, "grad_norm": 5e-5, "val_loss": 1e-6})
+    assert_same_weights(str(run), ref)
+    got, want = read_metrics(str(run)), read_metrics(ref)
+    g = [r["moe_tokens_per_expert"] for r in got if "moe_tokens_per_expert" in r]
+    assert g == [r["moe_tokens_per_expert"] for r in want if "moe_tokens_per_expert" in r] and len(g) == 3
+    # all-to-all bytes on rank 0: the counts (4 int64 a block each forward), the tokens out and back, each way
+    # again in backward; rank 0 sends its own k x tokens assignments and receives what its experts take from both
+    # ranks: here the balance over the pair gives exactly 2 x (sent + received) rows of d float32s per block
+    for r in (x for x in got if "comm_ep_all_to_all" in x):
+        assert r["comm_ep_all_to_all"] % 8 == 0 and r["comm_ep_all_to_all"] > 2 * 4 * 8 * 2
+
+
+def test_refusals(tmp_path):
+    assert_refused(tmp_path, ["model.top_k=4"], 1, "mixture-of-experts setting, but model.n_experts=0")
+    assert_refused(tmp_path, ["model.n_experts=2", "model.top_k=3"], 1, "model.top_k=3 is more than")
+    assert_refused(tmp_path, ["parallel=ddp", "parallel.ep=2"], 2, "but the model has none")
+    assert_refused(tmp_path, ["model.n_experts=3", "parallel=ddp", "parallel.ep=2"], 2, "must divide model.n_experts")
+    assert_refused(tmp_path, ["model.n_experts=4", "parallel=ddp", "parallel.ep=4"], 2, "must divide them")
+    assert_refused(tmp_path, ["model.n_experts=4", "parallel=zero1", "parallel.ep=2"], 2, "not built yet")
+    assert_refused(tmp_path, ["model.n_experts=4", "parallel=ddp", "parallel.impl=torch", "parallel.ep=2"], 2,
+                   "runs beside ours DDP")
+    assert_refused(tmp_path, ["model.n_experts=4", "parallel=tp"], 2, "not built yet")
