@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import model as M
-from conftest import assert_refused, assert_same_steps, assert_same_weights, losses, make_cfg, read_metrics, \
-    small_run, torchrun
+from conftest import assert_refused, assert_same_steps, assert_same_weights, make_cfg, read_metrics, small_run, \
+    torchrun
 
 CFG = dict(vocab_size=256, n_layer=2, n_head=2, n_embd=32, n_experts=4, top_k=2, mlp="swiglu", ffn_hidden=64,
            n_shared_experts=1)
