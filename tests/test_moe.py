@@ -168,3 +168,4 @@ def test_refusals(tmp_path):
     assert_refused(tmp_path, ["model.n_experts=4", "parallel=ddp", "parallel.impl=torch", "parallel.ep=2"], 2,
                    "runs beside ours DDP")
     assert_refused(tmp_path, ["model.n_experts=4", "parallel=tp"], 2, "not built yet")
+    assert_refused(tmp_path, ["model.n_experts=4", "model.router=bias"], 1, "not written to checkpoints yet")
