@@ -118,6 +118,10 @@ class Meter:
             sent = torch.tensor(comm_by_dim.get(("pp", "p2p"), 0) / 2, device=device)
             dist.all_reduce(sent, group=par.mesh.get_group("pp"))
             r["p2p_bytes_pipeline"] = int(sent.item())
+        if par.ep.size > 1:  # every rank's all-to-all bytes summed, the quantity parallel/ep.py's theory gives
+            moved = torch.tensor(float(comm_by_dim.get(("ep", "all_to_all"), 0)), dtype=torch.float64, device=device)
+            dist.all_reduce(moved)
+            r["a2a_bytes_all_ranks"] = int(moved.item())
         if par.data.transient_bytes is not None:  # our FSDP: most bytes of gathered units held at once, ...
             r["transient_bytes"] = par.data.transient_bytes
         if self.peak:

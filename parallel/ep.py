@@ -9,8 +9,12 @@ the "ep_replicate" groups. With E experts, ep rank r holds experts [r E/ep, (r+1
   memory per rank:      the dense parameters whole (as DDP keeps them), each MoE block's routed experts / ep
   communication:        per MoE block and micro-batch, forward: the (ep, E/ep) token counts (E int64s), then the
                         routed tokens out (dispatch) and their outputs back (combine), each k x tokens rows of d
-                        values; backward: the same two all-to-alls of gradients in reverse. Summed over an ep group,
-                        4 k N d bytes-per-value x blocks, N the group's tokens (dropped assignments move nothing)
+                        values; backward: the same two all-to-alls of gradients in reverse. A rank's count (the
+                        bytes it sends) is 8 E + 2 (sent + received rows) d b a block and micro-batch; summed over
+                        all ranks (metrics.jsonl's a2a_bytes_all_ranks), per step,
+                          MoE blocks x (8 E x ranks x micro-batches + 4 k N d b) - 4 dropped d b,
+                        N the batch's tokens, b bytes per value, `dropped` the assignments capacity dropped (they
+                        move nothing)
 
 How one MoE block runs (model.py's MoE does the routing; this file replaces its `dispatch`):
 1. MoE sorts this rank's assignments by expert: counts[e] rows for expert e, in expert order. The rows for ep rank
