@@ -407,6 +407,10 @@ class Layout:
                     f"(model.n_experts=0)")
         if not n:
             return None
+        if self.impl == "deepspeed":  # deepspeed.moe.layer.MoE gates with its own top-1/top-2 (GShard) policy
+            return (f"model.n_experts={n} with parallel.impl=deepspeed: DeepSpeed's MoE routes by its own gate (top-1 "
+                    f"or top-2, its capacity and token-dropping policy), not model.py's router, so it would train "
+                    f"another model; use parallel.impl=scratch")
         for degree, why in (("tp", "tensor parallelism's plan splits the dense MLP's matrices, not the experts'"),
                             ("cp", "the balancing loss and the capacity are taken over each rank's own tokens, not "
                                    "yet over the whole sequence's"),

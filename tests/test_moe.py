@@ -208,4 +208,23 @@ def test_refusals(tmp_path):
     assert_refused(tmp_path, ["model.n_experts=4", "parallel=ddp", "parallel.impl=torch", "parallel.ep=2"], 2,
                    "runs beside ours DDP")
     assert_refused(tmp_path, ["model.n_experts=4", "parallel=tp"], 2, "not built yet")
+    assert_refused(tmp_path, ["model.n_experts=4", "parallel=zero2", "parallel.impl=deepspeed"], 2,
+                   "DeepSpeed's MoE routes by its own gate")
     assert_refused(tmp_path, ["model.n_experts=4", "model.router=bias"], 1, "not written to checkpoints yet")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name,params,vocab", [("mixtral_8x7b", 46_702_792_704, 32000),
+                                               ("deepseek_v3", 672_149_632_000, 129280)])
+def test_presets_on_meta(name, params, vocab):
+    """Mixtral's count is Hugging Face's MixtralForCausalLM's to the parameter; DeepSeek-V3's is ours at its shape
+    (multi-head attention for its MLA, conf/model/deepseek_v3.yaml), its 58 x 257 experts of 3 x 7168 x 2048 inside."""
+    import config
+    cfg = make_cfg(f"model={name}")
+    config.validate(cfg)
+    with torch.device("meta"):
+        model = M.GPT(config.model_config(cfg, 4096))
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n or ".shared." in n)
+    assert model.cfg.padded_vocab_size == vocab and model.num_params() == params
+    assert experts == {"mixtral_8x7b": 32 * 8, "deepseek_v3": 58 * 257}[name] * 3 * model.cfg.n_embd * \
+        model.cfg.expert_hidden
