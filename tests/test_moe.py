@@ -165,11 +165,11 @@ def moe_single(tmp_path_factory):
     return dirs
 
 
-def a2a_theory(record, world, n_moe=2, E=4, k=2, d=64, tokens=8 * 64, accum_x_world=4):
+def a2a_theory(record, n_moe=2, E=4, k=2, d=64, tokens=8 * 64, micro_batches=8 // 2):
     """parallel/ep.py's sum over all ranks of the bytes they send by all-to-all in a step: each MoE block, each
     micro-batch, every rank sends its E int64 counts; each kept assignment's row of d float32s goes out and back in
-    forward and both ways again in backward."""
-    return n_moe * 8 * E * accum_x_world + 4 * d * 4 * (n_moe * k * tokens - record["moe_dropped"])
+    forward and both ways again in backward. `micro_batches`: over all ranks, global / micro batch, at any world."""
+    return n_moe * 8 * E * micro_batches + 4 * d * 4 * (n_moe * k * tokens - record["moe_dropped"])
 
 
 @pytest.mark.parametrize("name", [n for n, (w, _) in EP.items() if w == 2])
@@ -195,7 +195,7 @@ def check_ep(launch, moe_single, name):
         assert [r[key] for r in got] == [r[key] for r in want], key
     assert all((r["moe_dropped"] > 0) == name.endswith("capacity") for r in got)
     for r in got:
-        assert r["a2a_bytes_all_ranks"] == a2a_theory(r, world), r["a2a_bytes_all_ranks"] - a2a_theory(r, world)
+        assert r["a2a_bytes_all_ranks"] == a2a_theory(r), r["a2a_bytes_all_ranks"] - a2a_theory(r)
 
 
 def test_refusals(tmp_path):
