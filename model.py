@@ -195,17 +195,25 @@ class RMSNorm(nn.RMSNorm):
         return RMSNormFn.apply(x, self.weight, eps)
 
 
+# The loss's float32 chunk, bytes: about 4 MiB on a CPU; 256 MiB on a GPU, where every chunk costs eight small
+# ops (kernel launches). At 4 MiB, gpt_125m's 65,536 x 50,304 logits (micro-batch 64) went in 3,277 chunks, 26,236
+# ops a step, and the H200 sat idle 68% of an eager step (tools/gpu_bench.py, 2026-12-04, docs/benchmarks.md).
+CPU_CHUNK_BYTES, GPU_CHUNK_BYTES = 1 << 22, 1 << 28
+
+
 class CrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of logits (N, V) against targets (N,), the softmax in float32 (or wider), as one autograd
     node that keeps the logits (in their own dtype) and each row's log-sum-exp. Composed of aten ops (F.cross_entropy
     of the float32 logits), autograd keeps the whole float32 log-softmax, and backward writes two more N x V
     tensors; here backward writes the gradient over the saved logits, which nothing else reads (the head's matmul
-    keeps its input, not its output). Rows go in chunks of about 4 MiB of float32, so a half-precision input never
-    needs a whole float32 copy."""
+    keeps its input, not its output). Rows go in float32 chunks (CPU_CHUNK_BYTES, GPU_CHUNK_BYTES), so a
+    half-precision input never needs a whole float32 copy."""
 
     @staticmethod
     def forward(ctx, logits, targets):
-        rows, wide = max(1, (1 << 20) // logits.size(1)), torch.promote_types(logits.dtype, torch.float32)
+        chunk = CPU_CHUNK_BYTES if logits.device.type == "cpu" else GPU_CHUNK_BYTES
+        rows = max(1, chunk // (4 * logits.size(1)))
+        wide = torch.promote_types(logits.dtype, torch.float32)
         lse = torch.cat([torch.logsumexp(c.to(wide), dim=-1) for c in logits.split(rows)])
         picked = logits.gather(1, targets[:, None]).squeeze(1).to(wide)
         ctx.save_for_backward(logits, targets, lse)

@@ -203,6 +203,7 @@ def test_compiled_jobs_get_their_floor_and_say_where_they_ran_out(tmp_path, monk
     monkeypatch.setattr(gpu_bench, "matmul_flops", lambda *a, **k: 800e12)
     monkeypatch.setattr(gpu_bench, "prepare_data", lambda shared: [])
     monkeypatch.setattr(gpu_bench.bench, "run_one", run_one)
+    monkeypatch.setattr(gpu_bench, "COMPILE_WEIGHT", 2.5)  # the split's logic, whatever the measured weight
     monkeypatch.setattr(gpu_bench, "time", type("Clock", (), {"time": lambda: now[0], "strftime": time.strftime}))
     shared = tmp_path / "shared"
     (shared / "data").mkdir(parents=True)
@@ -254,3 +255,38 @@ def test_bad_bundle_input_is_one_line(tmp_path, args, message):
     text = str(e.value.code)
     assert text.startswith("error: ") and message in text and "\n" not in text, text
     assert os.listdir(tmp_path / "empty") == [] and os.listdir(tmp_path / "full") == ["notes.txt"]
+
+
+@pytest.mark.quick
+def test_device_bench_on_this_cpu(tmp_path, monkeypatch):
+    """tools/device_bench.py on this CPU, its grid cut to a few small shapes: every row's rate is its work over its
+    time (2 M N K FLOPs a matmul; bytes read and written for memory; causal attention's FLOPs), both files written;
+    bad input is one line, before anything is written."""
+    import torch
+
+    from tools import device_bench
+    monkeypatch.setattr(device_bench, "CPU_SQUARES", [64])
+    monkeypatch.setattr(device_bench, "CPU_WIDTHS", [32])
+    monkeypatch.setattr(device_bench, "CPU_TOKENS", [128])
+    monkeypatch.setattr(device_bench, "ATTENTION", {"cpu": ((1, 2, 16), [64])})
+    monkeypatch.setattr(device_bench, "BANDWIDTH_BYTES", {"cpu": 1 << 20})
+    r = device_bench.main(["--device", "cpu", "--out", str(tmp_path / "db"), "--min-time", "0.01"])
+    shapes = [(m["kind"], m["M"], m["N"], m["K"]) for m in r["matmul"]]
+    assert shapes == [("square", 64, 64, 64), ("d x d", 128, 32, 32), ("4d x d", 128, 128, 32),
+                      ("d x 4d", 128, 32, 128)] * 2
+    assert [m["dtype"] for m in r["matmul"]] == ["bfloat16"] * 4 + ["float32"] * 4
+    for m in r["matmul"]:
+        assert m["tflops"] == pytest.approx(2 * m["M"] * m["N"] * m["K"] / m["seconds"] / 1e12)
+    assert [(b["op"], b["bytes"]) for b in r["bandwidth"]] == [("copy", 2 << 20), ("add", 3 << 20)]
+    a, = r["attention"]
+    assert a["forward_tflops"] == pytest.approx(4 * 2 * 64 * 64 * 16 / 2 / a["forward_s"] / 1e12)
+    saved = json.loads((tmp_path / "db" / "device_bench.json").read_text())
+    assert saved["matmul"] == r["matmul"] and "| float32 | 4d x d | 128 | 128 | 32 |" in \
+        (tmp_path / "db" / "device_bench.md").read_text()
+    for args, message in (([str(tmp_path / "db")], "exists and is not an empty folder"),
+                          ([str(tmp_path / "new"), "--device", "cuda"], "torch sees no CUDA device")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        with pytest.raises(SystemExit) as e:
+            device_bench.main(["--out", *args])
+        assert str(e.value.code).startswith("error: ") and message in str(e.value.code)
+    assert not (tmp_path / "new").exists()

@@ -402,6 +402,11 @@ def test_gpu_bench_budget_and_failures(tmp_path, monkeypatch):
     md = (tmp_path / "out" / "gpu_bench.md").read_text()
     assert "| gpt_350m | 32 | FSDP2, 1 rank | yes | failed: RuntimeError: no graph |" in md
     assert "| gpt_350m | 32 | single | yes | 400,000 (out of time (" in md
+    for which in ("no", "yes"):  # one half of the rows, given the whole budget
+        half = gpu_bench.main(["--out", str(tmp_path / which), "--budget", "480", "--shared", str(shared),
+                               "--compile", which])
+        assert [r["compile"] for r in half] == [which] * 6
+    assert timeouts[12] == pytest.approx(480 / 6, rel=0.01)
 
 
 @needs_data_and_bpe
@@ -427,6 +432,7 @@ def test_gpu_bench_stays_within_its_budget(tmp_path, monkeypatch):
     (["--out", "{empty}", "--budget", "0"], "--budget 0: expected a positive number"),
     (["--out", "{empty}", "--shared", "{empty}"], "no data/tinyshakespeare.txt and tiktoken_cache/ in"),
     (["--out", "{empty}"], "torch sees no CUDA device"),
+    (["--out", "{empty}", "--tiny", "--compile", "yes"], "--tiny runs eager rows only"),
 ])
 def test_gpu_bench_bad_input_is_one_line(tmp_path, monkeypatch, args, message):
     from tools import gpu_bench

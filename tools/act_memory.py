@@ -181,7 +181,7 @@ def planned(cp=1, method="ring", shape=TINY, seq=8192, batch=1, ac="none", dtype
     """The planner's (kept, peak) for the same run: activations (kept + one block's recompute) and the backward's
     buffers, plus, under autocast over float32 weights, the bf16 copies of the weights autograd keeps."""
     from tools import plan
-    from model import GPT, GPTConfig
+    from model import CPU_CHUNK_BYTES, GPT, GPTConfig
     with torch.device("meta"):
         n_params = GPT(GPTConfig(block_size=seq, **shape)).num_params()
     s = {"n_layer": shape["n_layer"], "n_embd": shape["n_embd"], "n_head": shape["n_head"],
@@ -196,7 +196,8 @@ def planned(cp=1, method="ring", shape=TINY, seq=8192, batch=1, ac="none", dtype
         P = plan.params_per_rank(s, 1)
         copies = plan.autocast_copy_bytes(s, P, 1, checkpointed)
         cached = plan.autocast_copy_bytes(s, P, 1) - copies
-    back = plan.backward_bytes(s, batch, seq, ab, cp, method, residual_bytes=rb, recompute=recompute, cached=cached)
+    back = plan.backward_bytes(s, batch, seq, ab, cp, method, residual_bytes=rb, recompute=recompute, cached=cached,
+                               loss_chunk=CPU_CHUNK_BYTES)  # measured on the CPU, its chunk
     return kept + copies, kept + recompute + copies + back
 
 

@@ -1,4 +1,4 @@
-"""Measure one CUDA GPU in one short, unattended run (under 8 minutes with the default --budget): its bf16 matmul
+"""Measure one CUDA GPU in one short, unattended run (about 9.5 minutes with the default --budget): its bf16 matmul
 rate, then tokens/s, MFU, peak memory and the share of step time outside the model's kernels for gpt_125m and
 gpt_350m training in six modes: parallel=single, a one-rank parallel=fsdp (ours) and a one-rank FSDP2
 (parallel.impl=torch), each eager and torch.compile. One-rank FSDP has nothing to shard: its rows are what the
@@ -6,11 +6,12 @@ machinery costs by itself. Writes gpu_bench.md and gpu_bench.json into --out, af
 
     python -m tools.gpu_bench --out results/                 # on a machine with one CUDA GPU and requirements.txt
     python -m tools.gpu_bench --device cpu --tiny --out /tmp/gb   # the same logic on a CPU, in under a minute
+    python -m tools.gpu_bench --compile no --out results/eager    # half the rows (--compile yes: the other half)
 
 On a GPU image that has torch, tiktoken and numpy and nothing else, and no network (the device machine):
 
     python -m tools.gpu_bench --bundle gpu_bundle            # here, online: build the bundle (5.4 MiB)
-    python3 -m tools.gpu_bench --budget 480 --out $OUT       # there, in a copy of the checkout carrying gpu_bundle/
+    python3 -m tools.gpu_bench --budget 540 --out $OUT       # there, in a copy of the checkout carrying gpu_bundle/
 
 Design choices:
 - Each row is a real `torchrun --nproc_per_node=1 train.py` job (tools/bench.py's run_one), bf16 autocast,
@@ -71,16 +72,15 @@ ROOT = bench.ROOT
 MODELS = {"gpt_125m": 64, "gpt_350m": 32}
 # (parallel, impl, compile): eager first
 MODES = [(p, i, c) for c in (False, True) for p, i in (("single", None), ("fsdp", "scratch"), ("fsdp", "torch"))]
-# A compiled job's share of the budget, in eager jobs', and its floor. Not yet measured on a GPU: an eager job ~20 s
-# (start, CUDA and the model, 25 steps of 0.2-0.4 s, the trace); compiling adds one block's and the loss's graphs,
-# training and step 0's no-grad evaluation, whatever n_layer (every block compiles to the same graph). Measured on
-# this repo's 2 CPU cores (2026-12-01), the --tiny model as one torchrun job, Inductor's C++ kernels: eager 9.5 s;
-# compiled 53 s with Inductor's on-disk cache cold, 10 s warm, and our FSDP's 11 s and FSDP2's 24 s after single's
-# (the same graphs: each model's first compiled job is the cold one); with the cores loaded by other work, 17 s
-# eager and 134 s cold. The weight splits the budget; the floor keeps a cold compile from a share no compile fits in
-# (--budget 480: eager ~23 s each, compiled ~57 s by weight, raised to 75 s while time is left).
-COMPILE_WEIGHT = 2.5
-MIN_COMPILE_SHARE = 75  # seconds, --compile-min: a compiled job's floor
+# A compiled job's share of the budget, in eager jobs', and its floor. Measured on an H200 (2026-12-04, the first
+# run, docs/benchmarks.md): an eager job took 36-51 s (start, CUDA and the model, the profiled window and its trace,
+# 25 steps of 0.5-0.76 s, the loss's 4 MiB chunks then making eager host-bound), a compiled one 28-39 s, the cold
+# compile (each model's first compiled job: every block compiles to the same graph, so the later modes hit
+# Inductor's on-disk cache) included. On this repo's 2 CPU cores (2026-12-01, the --tiny model): eager 9.5 s,
+# compiled 53 s cold, 10 s warm. On the GPU, then, a compiled job weighs about what an eager one does; the floor
+# keeps a cold compile from a share no compile fits in (--budget 540: 45 s each).
+COMPILE_WEIGHT = 1.0
+MIN_COMPILE_SHARE = 45  # seconds, --compile-min: a compiled job's floor
 MIN_SHARE = 10  # seconds: less than a job needs to start (torchrun, imports, the model, step 0's evaluation)
 # 25 steps: the first window of 5 holds warm-up, compilation and the profiler (steps 2-4, written at 5); 4 after it
 STEPS = ["train.seq_len=1024", "train.max_steps=25", "train.log_every=5"]
@@ -378,7 +378,7 @@ def main(argv=None):
     ap.add_argument("--out", help="a new (or empty) folder for gpu_bench.md and gpu_bench.json")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--tiny", action="store_true", help="a tiny model, eager only, float32: the logic, on a CPU")
-    ap.add_argument("--budget", type=float, default=450, help="seconds for the whole run (default 450)")
+    ap.add_argument("--budget", type=float, default=540, help="seconds for the whole run (default 540)")
     ap.add_argument("--compile-min", type=float, default=MIN_COMPILE_SHARE,
                     help=f"a compiled job's least share, seconds, while time is left (default {MIN_COMPILE_SHARE})")
     ap.add_argument("--shared", help="the folder with data/tinyshakespeare.txt and tiktoken_cache/ "
@@ -389,6 +389,8 @@ def main(argv=None):
     ap.add_argument("--offline", action="store_true", help="with --bundle: copy the packages installed here, no pip")
     ap.add_argument("--use-bundle", metavar="DIR", help="a run's bundle: DIR, or none (default: gpu_bundle/ in the "
                                                         "checkout if it is there)")
+    ap.add_argument("--compile", choices=("both", "no", "yes"), default="both",
+                    help="which rows: eager and compiled (default), eager only, compiled only")
     ap.add_argument("overrides", nargs="*", help="train.py overrides for every job")
     a = ap.parse_args(argv)
     # every check before any work, and before any import beyond the standard library
@@ -402,6 +404,8 @@ def main(argv=None):
         sys.exit(f"error: --out {a.out} exists and is not an empty folder; name a new one")
     if a.budget <= 0:
         sys.exit(f"error: --budget {a.budget:g}: expected a positive number of seconds")
+    if a.tiny and a.compile == "yes":
+        sys.exit("error: --tiny runs eager rows only (compiling on a CPU takes minutes): --compile yes has none")
     if a.compile_min < 0:
         sys.exit(f"error: --compile-min {a.compile_min:g}: expected seconds, 0 or more")
     bundle = None if a.use_bundle == "none" else os.path.abspath(a.use_bundle or BUNDLE)
@@ -467,7 +471,8 @@ def run(a, bundle):
         dtype, models, modes, train = torch.float32, {"gpt_tiny": 4}, [m for m in MODES if not m[2]], TINY
         measured = matmul_flops(device, dtype, n=256, iters=20)
     else:
-        dtype, models, modes, train = torch.bfloat16, MODELS, MODES, STEPS
+        dtype, models, train = torch.bfloat16, MODELS, STEPS
+        modes = [m for m in MODES if a.compile == "both" or m[2] == (a.compile == "yes")]
         measured = matmul_flops(device, dtype)
     peak = peak_flops(name)  # None on a CPU or an unlisted GPU
     print(f"{name}: {str(dtype)[6:]} matmul {measured / 1e12:.1f} TFLOP/s measured"

@@ -55,7 +55,7 @@ import torch
 import config
 from parallel.layout import DATA_STRATEGIES, Layout
 from data import prepare
-from model import GPT
+from model import GPT, GPU_CHUNK_BYTES
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -335,14 +335,16 @@ def cp_activation_bytes(shape, micro, seq, act_bytes, cp, method, tp=1, sequence
     return kept, recompute
 
 
-def backward_bytes(shape, micro, seq, act_bytes, cp=1, method="ring", tp=1, residual_bytes=4, recompute=0, cached=0):
+def backward_bytes(shape, micro, seq, act_bytes, cp=1, method="ring", tp=1, residual_bytes=4, recompute=0, cached=0,
+                   loss_chunk=None):
     """What backward allocates beyond the kept activations and the block it recomputes (`recompute`, the second of
     activation_bytes' pair) before it frees it: the high-water mark of one micro-batch's activation memory is
     activations + this (tools/act_memory.py measures it). The largest of the moments where backward holds the most
     (measured on fake tensors, 2026-12-03), each with everything forward kept still alive:
-      the end of forward, in the loss: below float32, a chunk of the logits cast to float32 (model.CrossEntropy,
-        2^20 elements at most); and `cached`, what lives until forward ends and no longer: autocast's cache of
-        bf16 weights (every block's, the checkpointed ones' too, until the autocast context exits)
+      the end of forward, in the loss: below float32, a chunk of the logits cast to float32 (model.CrossEntropy:
+        `loss_chunk` bytes at most, by default a GPU's, model.GPU_CHUNK_BYTES); and `cached`, what lives until
+        forward ends and no longer: autocast's cache of bf16 weights (every block's, the checkpointed ones' too,
+        until the autocast context exits)
       the head's backward: its weight's gradient as the matmul writes it (V d / tp in the compute dtype) and,
         below float32, its float32 copy for .grad, until the gradient is accumulated; its input's gradient (b s d)
       the final norm's backward (model.RMSNormFn): its float32 arithmetic, three b s d temporaries and, below
@@ -361,7 +363,7 @@ def backward_bytes(shape, micro, seq, act_bytes, cp=1, method="ring", tp=1, resi
     d, kv, hidden, wide, _ = dims(shape)
     ab, rb, t = act_bytes, residual_bytes, micro * (seq // cp)
     low = ab < 4  # a float32 copy of a half-precision gradient
-    forward = cached + min(t * V / tp, 2 ** 20) * 4 * low * last
+    forward = cached + min(t * V / tp * 4, loss_chunk or GPU_CHUNK_BYTES) * low * last
     head = (V * d / tp * (ab + 4 * low) + t * d * ab) * last
     norm = t * d * 4 * (3 + low) * last
     mlp = recompute + t * (hidden * ab / tp + d * 4 - (d * rb + 4 + d * ab) * last)
