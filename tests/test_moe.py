@@ -196,6 +196,31 @@ def check_ep(launch, moe_single, name):
     assert all((r["moe_dropped"] > 0) == name.endswith("capacity") for r in got)
     for r in got:
         assert r["a2a_bytes_all_ranks"] == a2a_theory(r), r["a2a_bytes_all_ranks"] - a2a_theory(r)
+    check_planner(name, world, got)
+
+
+def check_planner(name, world, got):
+    """tools/plan.py's expert-parallel theory against the run's rank 0: its model state (the dense parameters whole,
+    1/ep of the experts), the dense all-reduce over dp (the router statistics' included), the experts' over
+    ep_replicate and the norm's scalar over ep, each exact; the all-to-all it predicts for balanced routing is the
+    mean over ranks, exact where nothing is dropped (the sum is exact whatever the routing), and with capacity it
+    is over by the dropped rows' bytes; rank 0's own all-to-all is the one part of comm_bytes that depends on where
+    its tokens went."""
+    from parallel.layout import Layout
+    from tools import plan
+    cfg = make_cfg(*small_run(*MOE, "parallel=ddp", *EP[name][1], "train.dtype=float32"))
+    p = plan.predict(cfg, Layout.from_config(cfg.parallel, world))
+    a2a = p["comm"]["ep", "all_to_all"]
+    import config
+    with torch.device("meta"):
+        tensors = len(list(M.GPT(config.model_config(cfg, 512)).parameters()))
+    for r in got:
+        assert r["state_bytes"] - p["state"] == 4 * tensors  # AdamW's step counters, which the planner leaves out
+        for (dim, kind), v in p["comm"].items():
+            if kind != "all_to_all":
+                assert r[f"comm_{dim}_{kind}"] == v, (dim, kind)
+        assert a2a * world - r["a2a_bytes_all_ranks"] == 4 * 64 * 4 * r["moe_dropped"]  # d = 64, float32
+        assert r["comm_bytes"] == p["comm_total"] - a2a + r["comm_ep_all_to_all"]
 
 
 def test_refusals(tmp_path):

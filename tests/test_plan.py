@@ -246,6 +246,25 @@ def test_time_model():
     assert no_prefetch["time"]["exposed comm"] == pytest.approx(no_prefetch["time"]["comm"])
 
 
+def test_expert_parallel_time_and_ranking():
+    """Expert parallelism at 32 ranks on nodes of 4 (moe_tiny's 8 experts): each all-to-all sends 1/ep of its input
+    to each peer and nothing hides it; ep=4 is one node (3 peers over NVLink), ep=8 spans two (3 over NVLink, 4 over
+    the GPU's own 50 GB/s NIC); the experts' all-reduce over the ranks that hold the same ones follows backward,
+    exposed; the ranking offers DDP with every ep that divides the experts and the world."""
+    cfg = plan_cfg("model=moe_tiny", "parallel=ddp", "parallel.ep=8", "plan.world=32", "plan.gpus_per_node=4",
+                   "train.seq_len=256", "train.micro_batch_size=1", "train.global_batch_size=64", "checkpoint.keep=0")
+    c = cluster(world=32, gpus_per_node=4)
+    nvlink, nic = 0.8 * 450e9, 0.8 * 50e9
+    for ep, peers in ((4, 3 / nvlink), (8, 3 / nvlink + 4 / nic)):
+        r = plan.predict(cfg, Layout(32, dp_shard=32, data="ddp", ep=ep), plan=c)
+        t = r["time"]["each"]
+        assert t["ep", "all_to_all"] == pytest.approx(r["comm"]["ep", "all_to_all"] / ep * peers, rel=1e-12)
+        assert t["ep_replicate", "all_reduce"] > 0
+        assert r["time"]["exposed comm"] >= t["ep", "all_to_all"] + t["ep_replicate", "all_reduce"]
+    lines = plan.ranking(cfg, plan.model_shape(cfg), 32, c)
+    assert {f"ddp_ep ep={ep}" for ep in (2, 4, 8)} <= {ln.split(" | ")[1] for ln in lines if ln.startswith("| ")}
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["plan.gpu=h900"], "plan.gpu='h900': expected one of h100, h200, a100"),
     (["plan.link=wifi"], "plan.link='wifi': expected one of nvlink, pcie"),

@@ -103,7 +103,12 @@ def model_shape(cfg):
             "n_params": gpt.num_params(), "flops_per_token": gpt.flops_per_token(cfg.train.seq_len),
             # grouped-query attention's key/value width, the MLP's, and one block's parameters
             "kv_embd": c.kv_heads * c.head_dim, "hidden": c.hidden, "mlp": c.mlp, "tied": c.tie_embeddings,
-            "block_params": sum(p.numel() for p in gpt.blocks[0].parameters()) if m.n_layer else 0}
+            "block_params": sum(p.numel() for p in gpt.blocks[0].parameters()) if m.n_layer else 0,
+            # mixture of experts (none: 0): the routed experts' parameters over all MoE blocks, what expert
+            # parallelism splits (model.Experts: gate (SwiGLU), up, down, stacked, no biases)
+            "n_experts": c.n_experts, "top_k": c.top_k if c.n_experts else 0, "moe_blocks": c.n_moe,
+            "expert_params": c.n_moe * c.n_experts * (3 if c.mlp == "swiglu" else 2) * c.n_embd * c.expert_hidden
+            if c.n_experts else 0}
 
 
 def dims(shape):
@@ -115,14 +120,16 @@ def dims(shape):
     return d, shape.get("kv_embd", d), hidden, wide, shape.get("block_params", 12 * d * d + 2 * d)
 
 
-def params_per_rank(shape, tp):
+def params_per_rank(shape, tp, ep=1):
     """P = 2 V d (embedding, untied head) + L (12 d^2 + 2 d) (q, k, v, proj d x d; up d x 4d, down 4d x d; two norm
     gains) + d (final norm), for GPT-3's block; Llama's: L (2 d^2 + 2 d d_kv + 3 d f + 2 d) with d_kv the key/value
     width and f SwiGLU's hidden units (model_shape counts the model itself). Tensor parallelism splits every matrix over tp ranks (heads, MLP columns, vocab rows)
     and keeps the (2L + 1) d norm gains whole on each. A pipeline stage's shape (pp_stages): its L blocks, and the
-    final norm only on the last stage."""
+    final norm only on the last stage. Expert parallelism keeps 1/ep of the routed experts on a rank
+    (parallel/ep.py)."""
     replicated = (2 * shape["n_layer"] + shape.get("last", True)) * shape["n_embd"]
-    return (shape["n_params"] - replicated) / tp + replicated
+    routed = shape.get("expert_params", 0)
+    return (shape["n_params"] - routed + routed / ep - replicated) / tp + replicated
 
 
 # --- the theory of each strategy: state and communication, keyed by the Layout's fields (layout.strategy: the data
@@ -149,6 +156,9 @@ def comm_bytes(layout, P, accum, knobs=KNOBS, shape=None, micro=0, seq=0, act_by
     sequence on this rank (seq_len / cp), what tensor parallelism moves."""
     rb, pb = DTYPE_BYTES[knobs["reduce_dtype"]], DTYPE_BYTES[knobs["param_dtype"]]
     c, strategy = Counter(), layout.strategy
+    if layout.ep > 1:  # the rank's experts: reduced by parallel/ep.py, not by the data strategy
+        c.update(ep_comm_bytes(layout, shape, accum, micro, seq, rb, pb))
+        P -= shape["expert_params"] / layout.ep
     if strategy == "ddp":  # one all-reduce of the gradients (Li et al., 2020)
         c["dp", "all_reduce"] += 2 * P * rb
     elif strategy in ("zero1", "zero2"):  # reduce-scatter the gradients, all-gather the updated working weights
@@ -165,6 +175,26 @@ def comm_bytes(layout, P, accum, knobs=KNOBS, shape=None, micro=0, seq=0, act_by
         # FSDP) the rank's shard of them, 1/shard_ranks of them on average
         gains = 1 / layout.shard_ranks if layout.sharded else 1
         c.update(tp_comm_bytes(shape, micro, seq, act_bytes, accum, knobs["sequence_parallel"], pb, gains))
+    return c
+
+
+def ep_comm_bytes(layout, shape, accum, micro, seq, reduce_bytes, stream_bytes):
+    """Expert parallelism's bytes per step per rank (parallel/ep.py), as comm.py counts them, for balanced routing:
+    - ("ep", "all_to_all"): per MoE block and micro-step, the E int64 token counts, then the rows: the tokens'
+      k n assignments go out (dispatch) and the experts' outputs come back (combine), and in backward their
+      gradients the other way, all in the residual stream's dtype (`stream_bytes`: float32 under bf16 autocast
+      over float32 weights, measured 2026-12-04, moe_tiny on 2 ranks: the sum over ranks equal to float32's); a
+      rank's count is its inputs, 2 (sent + received rows) x d x bytes, sent = received = k n when every rank
+      receives what it sends (the load the balancing loss or bias aims at). That is the mean over ranks: the
+      sum over all of them is exact whatever the routing (a dropless run's metrics.jsonl a2a_bytes_all_ranks),
+      while the busiest rank receives more. Capacity drops are not predicted (dropless).
+    - ("ep_replicate", "all_reduce"): the rank's E/ep experts' gradients, summed over the ranks holding the same
+      ones (dp x cp / ep of them), after backward."""
+    c, E, k, d = Counter(), shape["n_experts"], shape["top_k"], shape["n_embd"]
+    rows = 2 * k * micro * seq  # sent + received assignments of a micro-step
+    c["ep", "all_to_all"] = shape["moe_blocks"] * accum * (8 * E + 2 * rows * d * stream_bytes)
+    if layout.reduce_ranks > layout.ep:
+        c["ep_replicate", "all_reduce"] = 2 * shape["expert_params"] / layout.ep * reduce_bytes
     return c
 
 
@@ -212,9 +242,20 @@ def clip_comm(layout):
     if layout.sharded:
         return Counter({("world", "all_reduce"): 8})
     c = Counter({("tp", "all_reduce"): 8} if layout.tp > 1 else {})
+    if layout.ep > 1:  # the experts' squares, disjoint within an ep group (parallel/ep.py)
+        c["ep", "all_reduce"] += 8
     if layout.pp > 1:
         c["pp", "all_reduce"] += 8
     return c
+
+
+def router_stats_comm(layout, shape):
+    """The MoE blocks' router statistics (tokens per expert, dropped, the balancing loss: blocks x (E + 2) float32s),
+    summed over the data-parallel ranks once a step (Parallelized.router_stats): a few bytes the step time leaves
+    out, as clip_comm's."""
+    if not shape.get("moe_blocks") or layout.reduce_ranks == 1:
+        return Counter()
+    return Counter({("dp", "all_reduce"): 2 * 4 * shape["moe_blocks"] * (shape["n_experts"] + 2)})
 
 
 def theory(data, n_params, world, reduce_bytes=4, accum=1):
@@ -458,11 +499,15 @@ def group_spans(layout, plan):
     pipeline stage's ranks (all of them without pp; a stage's ranks are neighbours, pp being outermost). The mesh is
     row-major (replicate, shard, cp, tp): a tp group is neighbours, a cp group ranks tp apart (one GPU per node
     when it spans nodes: each carries its own hops), a dp_shard group ranks cp x tp apart, a dp_replicate group
-    ranks shard x cp x tp apart; dp is all of the data-parallel ranks (under cp, the dp x cp they reduce over)."""
+    ranks shard x cp x tp apart; dp is all of the data-parallel ranks (under cp, the dp x cp they reduce over).
+    Expert parallelism's groups (parallel/ep.py): an ep group is ep neighbours of the dp x cp ranks (tp apart), an
+    ep_replicate group ranks ep x tp apart."""
     n, world, tp, cp, shard = plan.gpus_per_node, layout.stage_world, layout.tp, layout.cp, layout.shard_ranks
+    ep = layout.ep
     return {"tp": None, "dp": None if world <= n else n // tp, "cp": None if cp * tp <= n else 1,
             "dp_shard": None if shard * cp * tp <= n else max(1, n // (cp * tp)),
-            "dp_replicate": None if world <= n else max(1, n // (shard * cp * tp))}
+            "dp_replicate": None if world <= n else max(1, n // (shard * cp * tp)),
+            "ep": None if ep * tp <= n else n // tp, "ep_replicate": None if world <= n else max(1, n // (ep * tp))}
 
 
 def bandwidths(layout, plan):
@@ -500,6 +545,9 @@ def step_time(layout, shape, accum, micro, seq, comm, knobs, checkpointed, plan,
       cp ring        each hop of K, V runs while the block before it is computed: per layer and micro-step,
                      (cp - 1) x max(0, hop - one block's attention) in forward, and with dK, dV in backward
       cp all-gather  between the layers, exposed
+      ep             the all-to-alls sit between the router and the experts: exposed; an all-to-all sends 1/ep
+                     of a rank's rows to each peer, over the node's link to those in its node and its own NIC to
+                     the others; the experts' all-reduce over ep_replicate follows backward, exposed
     Under cp, "dp" is the dp x cp ranks the gradients are reduced over. Under pp, `layout`'s numbers are one
     stage's."""
     tp, cp, shard, dp_cp = layout.tp, layout.cp, layout.shard_ranks, layout.reduce_ranks
@@ -508,12 +556,20 @@ def step_time(layout, shape, accum, micro, seq, comm, knobs, checkpointed, plan,
     fwd = shape["flops_per_token"] * micro * seq / cp / tp / 3 / rate
     bwd = (2 + checkpointed) * fwd
     bw = bandwidths(layout, plan)
-    size = {"dp": dp_cp, "tp": tp, "cp": cp, "dp_shard": shard, "dp_replicate": dp_cp // shard}
+    ep = layout.ep
+    size = {"dp": dp_cp, "tp": tp, "cp": cp, "dp_shard": shard, "dp_replicate": dp_cp // shard, "ep": ep,
+            "ep_replicate": dp_cp // ep}
     link = {k: bw[k] * plan.link_efficiency for k in bw}
     # a p2p hop sends and receives at once: counted twice, it takes bytes / 2 over the link one way
     t = Counter({k: v / 2 / link[k[0]] if k[1] == "p2p" else v * (size[k[0]] - 1) / size[k[0]] / link[k[0]]
                  for k, v in comm.items()})
+    if ("ep", "all_to_all") in comm:  # counted: each call's input, 1/ep of it to each peer while as much arrives
+        near = min(ep, plan.gpus_per_node // tp) if group_spans(layout, plan)["ep"] else ep  # peers in the node
+        intra, nic = GPUS[plan.gpu][plan.link], NETWORKS[plan.network]
+        t["ep", "all_to_all"] = comm["ep", "all_to_all"] / ep * ((near - 1) / intra + (ep - near) / nic) \
+            / plan.link_efficiency
     exposed = t["tp", "all_reduce"] + t["tp", "all_gather"] + t["tp", "reduce_scatter"]
+    exposed += t["ep", "all_to_all"] + t["ep_replicate", "all_reduce"]
     exposed_cp = 0.0
     if cp > 1 and cp_method == "ring":
         L, chunk = shape["n_layer"], seq // (2 * cp)
@@ -667,13 +723,13 @@ def _predict(cfg, layout, ac, shape, plan):
     accum = t.global_batch_size // (t.micro_batch_size * layout.dp)
     # auto: bf16 autocast, as on any GPU this plans for; bf16 working weights compute in bf16 whatever train.dtype
     act_bytes = 2 if knobs["param_dtype"] == "bfloat16" else DTYPE_BYTES.get(t.dtype, 2)
-    P = params_per_rank(shape, tp)
+    P = params_per_rank(shape, tp, layout.ep)
     state = state_bytes(layout, P, optimizer_bytes(cfg.optim), knobs)
     comm = comm_bytes(layout, P, accum, knobs, shape, t.micro_batch_size, t.seq_len // cp, act_bytes)
     if cp > 1:
         comm.update(cp_comm_bytes(shape, t.micro_batch_size, t.seq_len, act_bytes, accum, cp, method, tp,
                                   checkpointed))
-    clip = clip_comm(layout)  # scalars: the step time leaves them out
+    clip = clip_comm(layout) + router_stats_comm(layout, shape)  # scalars: the step time leaves them out
     # what of comm is a mean over ranks: under sequence parallel each rank's ZeRO or FSDP shard holds its own piece of
     # the norm gains (none to all of them, by where the shard boundaries fall), whose gradients it sums over tp
     spread = Counter({("tp", "all_reduce"): 2 * (2 * shape["n_layer"] + shape.get("last", True)) * shape["n_embd"]
@@ -748,17 +804,20 @@ def cluster_problem(layout, plan):
     return None
 
 
-def candidates(world, plan, impl="scratch"):
+def candidates(world, plan, impl="scratch", experts=0):
     """Every Layout the planner ranks for this world, with `impl`: each data strategy over all ranks; tensor
     parallelism over all ranks, and over 2 .. a node's GPUs (dividing world) with FSDP, ZeRO-1 or ZeRO-2 over the
     rest; HSDP with a shard group per node where there is more than one node; context parallel over every divisor
     of world, with DDP or FSDP over dp x cp, and FSDP x TP beside it within a node; pipeline stages over every
     divisor of world (outermost: across nodes first), with DDP (nothing to reduce where a stage is one rank) or FSDP
-    over each stage's ranks, and FSDP x TP within a node. Whether one can run this model, batch and knobs is the
-    rule book's to say (ranking)."""
+    over each stage's ranks, and FSDP x TP within a node; for a model with `experts`, DDP with expert parallelism
+    over every ep that divides both. Whether one can run this model, batch and knobs is the rule book's to say
+    (ranking)."""
     n = plan.gpus_per_node
     for data in DATA_STRATEGIES:
         yield Layout(world, dp_shard=world, data=data, impl=impl)
+    yield from (Layout(world, dp_shard=world, data="ddp", impl=impl, ep=ep) for ep in range(2, world + 1)
+                if world % ep == 0 and experts % ep == 0)
     yield Layout(world, tp=world, data="ddp", impl=impl)
     for data in ("fsdp", "zero1", "zero2"):
         yield from (Layout(world, dp_shard=world // k, tp=k, data=data, impl=impl)
@@ -870,7 +929,8 @@ def report(cfg, shape, layout=None):
     lines += ["", "communication per step per rank",
               f"  {'dim':{w}s} {'collective':15s} {'GB':>9s} {'ranks':>6s} {'GB/s':>6s} {'ms':>9s}"]
     size = {**{k: chosen[k] for k in ("dp", "tp", "cp", "dp_shard", "dp_replicate", "pp")},
-            "dp_cp": chosen["dp"] * chosen["cp"], "world": world}
+            "dp_cp": chosen["dp"] * chosen["cp"], "world": world, "ep": chosen["layout"].ep,
+            "ep_replicate": chosen["dp"] * chosen["cp"] // chosen["layout"].ep}
     for (dim, kind), v in sorted(rows.items()):
         ms = 1e3 * chosen["time"]["each"][dim, kind]
         lines.append(f"  {dim:{w}s} {kind:15s} {gb(v):>9} {size[dim]:>6d} {bw[dim] / 1e9:>6.0f} {ms:>9.1f}")
@@ -892,7 +952,7 @@ def ranking(cfg, shape, world, plan):
     batch) and the cluster's rules accept, predicted with and without activation checkpointing, fastest first among
     those that fit; the others listed with the line that refuses them."""
     rows, skipped = [], []
-    for layout in candidates(world, plan, cfg.parallel.impl):
+    for layout in candidates(world, plan, cfg.parallel.impl, shape.get("n_experts", 0)):
         problem = rule_book(cfg, layout) or cluster_problem(layout, plan)
         if problem:
             skipped.append(f"{layout.name} ({layout.describe()}): {problem}")
@@ -905,7 +965,8 @@ def ranking(cfg, shape, world, plan):
              "ms | tokens/s | MFU | across nodes GB/step | pipeline |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(rows, 1):
-        lines.append(f"| {i if r['fits'] else '-'} | {r['layout'].name} | {r['dp']} | {r['tp']} | {r['cp']} | "
+        ep = f" ep={r['layout'].ep}" if r["layout"].ep > 1 else ""
+        lines.append(f"| {i if r['fits'] else '-'} | {r['layout'].name}{ep} | {r['dp']} | {r['tp']} | {r['cp']} | "
                      f"{r['accum']} | "
                      f"{r['ac']} | {r['total_memory'] / 1e9:.1f} | {'yes' if r['fits'] else 'no'} | "
                      f"{(r['comm_total'] + r['p2p_total']) / 1e9:.2f} | {r['step_s'] * 1e3:.0f} | "
