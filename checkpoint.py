@@ -168,10 +168,20 @@ def _pieces(e, holders, values):
                   ref.device if ref is not None else "cpu")
 
 
+def router_biases(module):
+    """{"router.<block>.expert_bias": tensor} of the MoE blocks with router=bias (model.py MoE): the per-expert
+    biases training moves each step, state that is no parameter; the same on every rank (each moves them by the same
+    sums), so a checkpoint holds them once, whole."""
+    from model import MoE
+    return {f"router.{name}.expert_bias": m.expert_bias for name, m in module.named_modules()
+            if isinstance(m, MoE) and m.rule == "bias"}
+
+
 def state_dict(par):
-    """This rank's part of the model and optimizer state, under global names, for dcp.save and dcp.load.
+    """This rank's part of the model and optimizer state, under global names, for dcp.save and dcp.load, and the
+    routers' biases (router_biases).
     Also returns [(tensor loaded, [tensors to copy it to])] for scalars (Adam's step) that several holders share."""
-    sd, copies = {}, []
+    sd, copies = dict(router_biases(par.module)), []
     state = par.data.optimizer_state()
     for name, e in _layout(par).items():
         if e.dtensor is not None:
@@ -491,6 +501,8 @@ def load(path, par):
     _make_state(par.data.local_optimizer, layout, saved)
     sd, copies = state_dict(par)
     missing = sorted(k for k in sd if k not in saved)
+    if missing and missing[0].startswith("router."):
+        raise CheckpointError(f"{path} has no {missing[0]}: saved by a run whose model.router was not bias")
     if missing:
         raise CheckpointError(f"{path} has no {missing[0]}: saved with optim {info.get('config', {}).get('optim')}")
     rng = {}
@@ -534,11 +546,11 @@ def consolidate(path):
         raise CheckpointError("consolidate runs in one process, outside a process group")
     info, md = verify(path)
     sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
-          if k.startswith("model.")}
+          if k.startswith(("model.", "router."))}
     _quiet(dcp.load, sd, storage_reader=_Reader(path), no_dist=True)
     with open(os.path.join(path, "tokenizer.json")) as f:
         tok = json.load(f)
-    return {k[len("model."):]: v for k, v in sd.items()}, info, tok
+    return {k.split(".", 1)[1]: v for k, v in sd.items()}, info, tok  # the biases as <block>.expert_bias
 
 
 # --- export: one file, one process

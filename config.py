@@ -352,9 +352,6 @@ def rules(cfg, world, dtype, cpu_bf16=True, bf16=True):
     for problem in (check_model(m), check_optim(cfg.optim)):
         if problem:
             raise ConfigError(problem)
-    if m.get("router") == "bias" and cfg.checkpoint.keep:  # (parallel/ep.py's docs/moe.md: not built yet)
-        raise ConfigError("model.router=bias: its per-expert biases are not written to checkpoints yet, so a resumed "
-                          "run would start them at 0; set checkpoint.keep=0 or model.router=aux")
     try:
         layout = Layout.from_config(cfg.parallel, world)
     except LayoutError as e:

@@ -29,8 +29,11 @@ def load(path, device="cpu"):
         model = GPT(GPTConfig(**meta["model"]))
     if model.cfg.tie_embeddings:  # the file holds the one weight once, as wte.weight; the head is that weight
         weights["head.weight"] = weights.get("wte.weight")
+    biases = {k: weights.pop(k) for k in list(weights) if k.endswith(".expert_bias")}  # router=bias: buffers
     model.load_state_dict(weights, assign=True)  # every parameter, exactly: a missing or extra one is an error
     model.init_buffers(device)  # the RoPE tables, and the tie again (assign=True gave the head its own Parameter)
+    for k, v in biases.items():
+        model.get_submodule(k.rsplit(".", 1)[0]).expert_bias.copy_(v)
     return model.eval(), tokenizer.from_spec(meta["tokenizer"]), meta
 
 

@@ -235,7 +235,38 @@ def test_refusals(tmp_path):
     assert_refused(tmp_path, ["model.n_experts=4", "parallel=tp"], 2, "not built yet")
     assert_refused(tmp_path, ["model.n_experts=4", "parallel=zero2", "parallel.impl=deepspeed"], 2,
                    "DeepSpeed's MoE routes by its own gate")
-    assert_refused(tmp_path, ["model.n_experts=4", "model.router=bias"], 1, "not written to checkpoints yet")
+
+
+def test_router_biases_resume_and_export(tmp_path):
+    """router=bias: the per-expert biases (buffers training moves each step, no parameter) go into checkpoints. A run
+    resumed at step 3 of 5 gives the uninterrupted run's losses, weights and biases to the bit (resumed at zero
+    biases, its routing and losses differ); the exported file carries them to sample.py; a checkpoint without them
+    is refused in one line."""
+    import checkpoint
+    import sample
+    import train
+    # odd steps: the biases move by +-0.05 a step, and an even number of moves can bring them back to 0
+    base = small_run(*MOE, "model.router=bias", "model.bias_update_rate=0.05", "train.max_steps=5",
+                     "checkpoint.every=3", "checkpoint.keep=2", "train.eval_every=100")
+    ref, resumed = str(tmp_path / "ref"), str(tmp_path / "resumed")
+    train.run(make_cfg(*base), ref)
+    train.run(make_cfg(*base, f"train.resume={ref}/checkpoints/step_0000003"), resumed)
+    losses = lambda d: {r["step"]: r["loss"] for r in read_metrics(d) if "loss" in r}
+    got, want = losses(resumed), losses(ref)
+    assert sorted(got) == [4, 5] and all(got[s] == want[s] for s in got)
+    assert_same_weights(resumed, ref, atol=0, rtol=0)
+    final = lambda d: checkpoint.consolidate(f"{d}/checkpoints/step_0000005")[0]
+    biases = {k: v for k, v in final(ref).items() if k.endswith("expert_bias")}
+    assert len(biases) == 2 and all(v.abs().sum() > 0 for v in biases.values())  # moved
+    assert all(torch.equal(final(resumed)[k], v) for k, v in biases.items())
+    out = str(tmp_path / "model.safetensors")
+    checkpoint.export(f"{ref}/checkpoints/step_0000005", out)
+    model = sample.load(out)[0]
+    for k, v in biases.items():
+        assert torch.equal(model.get_submodule(k.rsplit(".", 1)[0]).expert_bias, v)
+    train.run(make_cfg(*base, "model.router=aux", "train.max_steps=3"), str(tmp_path / "aux"))
+    with pytest.raises(checkpoint.CheckpointError, match="has no router.*: saved by a run whose model.router was"):
+        train.run(make_cfg(*base, f"train.resume={tmp_path}/aux/checkpoints/step_0000003"), str(tmp_path / "again"))
 
 
 @pytest.mark.quick
