@@ -386,7 +386,9 @@ class MoE(nn.Module):
         weights = scores.gather(1, top)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         flat = top.flatten()  # each assignment's expert, token by token
-        routed = torch.bincount(flat, minlength=self.n)
+        # the assignments per expert (bincount's values; its output's size depends on them, which fake tensors can't
+        # answer: tools/dry_run.py)
+        routed = torch.zeros(self.n, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
         order = flat.argsort(stable=True)  # the assignments grouped by expert, earliest token first in each
         counts = routed
         if self.capacity_factor is not None:

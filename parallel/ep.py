@@ -72,15 +72,23 @@ def dispatch(experts, group, ep, tokens, counts):
     send_counts = counts.view(ep, -1)  # [rank i][its local expert e]: rows this rank sends
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)  # [source i][my expert e]
-    sizes = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()  # one host read for both
-    send, recv = sizes
+    send, recv = splits(send_counts, recv_counts, tokens.size(0))
     rows = AllToAll.apply(tokens, recv, send, group)
     local = torch.arange(send_counts.size(1), device=tokens.device).repeat(ep)
-    order = local.repeat_interleave(recv_counts.flatten()).argsort(stable=True)  # arrival order -> expert order
+    # arrival order -> expert order
+    order = local.repeat_interleave(recv_counts.flatten(), output_size=sum(recv)).argsort(stable=True)
     out = experts(rows[order], recv_counts.sum(0))
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=order.device)
     return AllToAll.apply(out[back], send, recv, group)
+
+
+def splits(send_counts, recv_counts, rows):
+    """The all-to-all's split sizes, rows to and from each peer, as Python ints: one host read for both. (`rows`:
+    how many this rank sends; tools/dry_run.py puts balanced splits of them in its place: fake tensors hold no
+    counts.)"""
+    send, recv = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
+    return send, recv
 
 
 def groups(layout):

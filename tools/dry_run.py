@@ -40,6 +40,8 @@ What runs under the fake backend (checked by tests/test_dry_run.py):
 - not torch's context_parallel: it is GPU-only (Layout.problem), here as in a real run.
 - all five degrees at once (pp x dp_replicate x dp_shard x cp x tp, ours; tests/test_mesh.py at world 32), each
   term beside the planner's for that pipeline stage.
+- a mixture of experts with expert parallelism (ours, beside DDP): on fake tensors with balanced routing
+  (balanced_routing: fake tensors hold no token counts), so the all-to-all is the planner's mean over ranks.
 """
 import contextlib
 import os
@@ -165,15 +167,40 @@ def _real_meshes():
 
 @contextlib.contextmanager
 def compute_mode(compute):
-    """Real tensors, or FakeTensorMode for every tensor made inside (and the meshes real, above)."""
+    """Real tensors, or FakeTensorMode for every tensor made inside (and the meshes real, above), with balanced
+    routing for a mixture of experts."""
     if compute == "real":
         yield
         return
     from torch._subclasses.fake_tensor import FakeTensorMode
-    with warnings.catch_warnings(), _real_meshes(), FakeTensorMode(allow_non_fake_inputs=True):
+    with warnings.catch_warnings(), _real_meshes(), balanced_routing(), FakeTensorMode(allow_non_fake_inputs=True):
         # the strategies compare .grad's data_ptr with their buckets'; a fake tensor's is 0, and torch warns
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         yield
+
+
+@contextlib.contextmanager
+def balanced_routing():
+    """A mixture of experts on fake tensors: its token counts are data, which fake tensors don't hold, and the host
+    needs them (the all-to-all's split sizes; the grouped matmul's shape check on a CPU, which takes only bf16 there).
+    So the dry run routes as the planner assumes: every rank sends 1/ep of its rows to each peer and receives as
+    many (parallel/ep.py splits), and an expert group's rows go through one matmul of the same shape (model.py
+    grouped_mm): the same sizes, the same bytes counted."""
+    import model
+    from parallel import ep
+
+    def even(send_counts, recv_counts, rows):
+        n = send_counts.size(0)
+        each = [rows // n + (i < rows % n) for i in range(n)]
+        return each, list(each)
+
+    saved = model.grouped_mm, ep.splits
+    model.grouped_mm = lambda x, w, counts: x @ w[0].to(x.dtype)
+    ep.splits = even
+    try:
+        yield
+    finally:
+        model.grouped_mm, ep.splits = saved
 
 
 class SavedBytes:
