@@ -302,7 +302,13 @@ class MLP(nn.Module):
 def grouped_mm(x, w, counts):
     """Rows of x in runs by group (counts[g] rows for group g, in order) times each group's matrix w[g]: (rows, a) x
     (G, a, b) -> (rows, b). torch's grouped matmul where it takes the shapes (rows 16-byte aligned: a and b multiples
-    of 4 floats, 8 halves) and the device (any in bf16; float32 on the CPU); a loop over the groups otherwise."""
+    of 4 floats, 8 halves) and the device (any in bf16; float32 on the CPU); a loop over the groups otherwise. Under
+    autocast in the autocast dtype, as autocast runs the dense MLP's matmuls (autocast does not know the grouped
+    matmul: a float32 input ran in float32 on the CPU, and on a GPU, where the grouped matmul takes bf16 only, as a
+    loop over every expert)."""
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, w = x.to(dtype), w.to(dtype)
     aligned = (w.size(1) * w.element_size()) % 16 == 0 and (w.size(2) * w.element_size()) % 16 == 0
     if aligned and (w.dtype == torch.bfloat16 or x.device.type == "cpu") and x.dtype == w.dtype:
         return torch._grouped_mm(x, w, offs=counts.cumsum(0).to(torch.int32))
@@ -398,7 +404,9 @@ class MoE(nn.Module):
             order, counts = order[kept], routed.clamp(max=cap)
         token = order // self.k
         out = self.dispatch(x[token], counts)
-        y = torch.zeros_like(x).index_add_(0, token, out * weights.flatten()[order, None].to(out.dtype))
+        # in the experts' dtype (the compute dtype under autocast, as the dense MLP's output is)
+        gates = weights.flatten()[order, None].to(out.dtype)
+        y = x.new_zeros(x.shape, dtype=out.dtype).index_add_(0, token, out * gates)
         if self.shared is not None:
             y = y + self.shared(x)
         if self.training and self.rule == "aux" and self.coef > 0:

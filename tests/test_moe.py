@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import model as M
-from conftest import assert_refused, assert_same_steps, assert_same_weights, launch_jobs, make_cfg, read_metrics, \
-    small_run
+from conftest import assert_refused, assert_same_steps, assert_same_weights, launch_jobs, make_cfg, needs_bf16, \
+    read_metrics, small_run
 
 CFG = dict(vocab_size=256, n_layer=2, n_head=2, n_embd=32, n_experts=4, top_k=2, mlp="swiglu", ffn_hidden=64,
            n_shared_experts=1)
@@ -132,6 +132,12 @@ def test_grouped_mm_equals_loop():
     torch.testing.assert_close(M.grouped_mm(x, w, counts), ref)
     torch.testing.assert_close(M.grouped_mm(x[:, :30], w[:, :30, :15].contiguous(), counts),
                                torch.cat([x[:3, :30] @ w[0, :30, :15], x[3:, :30] @ w[2, :30, :15]]))  # the loop
+    # under autocast in its dtype, as a dense matmul runs (float32 inputs ran in float32 on the CPU, and as a loop
+    # over every expert on a GPU)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, dense = M.grouped_mm(x, w, counts), x[:3] @ w[0]
+    assert got.dtype == dense.dtype == torch.bfloat16
+    torch.testing.assert_close(got, torch.cat([x[:3] @ w[0], x[3:] @ w[2]]).bfloat16(), rtol=2e-2, atol=5e-2)
 
 
 MOE = ("model.n_experts=4", "model.top_k=2", "train.global_batch_size=8", "train.micro_batch_size=2",
@@ -140,7 +146,11 @@ CAPACITY = ("model.capacity_factor=0.75",)  # at most 48 of a micro-batch's 256 
 # name: (world, overrides), over ours DDP. ep=2 and ep=4 over all the ranks; ep=2 on 4 ranks: two ep groups, each
 # expert held on two ranks (the replicate group its gradients are summed over); capacity: the drops under ep
 EP = {"ep2": (2, ["parallel.ep=2"]), "ep2_capacity": (2, ["parallel.ep=2", *CAPACITY]),
-      "ep4": (4, ["parallel.ep=4"]), "ep2_dp4": (4, ["parallel.ep=2"])}
+      "ep4": (4, ["parallel.ep=4"]), "ep2_dp4": (4, ["parallel.ep=2"]),
+      # under bf16 autocast: the rows go out in float32 (the residual stream's), the experts' outputs come back in
+      # bf16 (the grouped matmul runs in the autocast dtype): the planner's count, not single's numbers
+      "ep2_bf16": (2, ["parallel.ep=2", "train.dtype=bfloat16"])}
+PROVEN = [n for n in EP if not n.endswith("bf16")]
 
 
 def register(world):
@@ -172,12 +182,12 @@ def a2a_theory(record, n_moe=2, E=4, k=2, d=64, tokens=8 * 64, micro_batches=8 /
     return n_moe * 8 * E * micro_batches + 4 * d * 4 * (n_moe * k * tokens - record["moe_dropped"])
 
 
-@pytest.mark.parametrize("name", [n for n, (w, _) in EP.items() if w == 2])
+@pytest.mark.parametrize("name", [n for n in PROVEN if EP[n][0] == 2])
 def test_ep_over_ddp_equals_single_2(launch2, moe_single, name):
     check_ep(launch2, moe_single, name)
 
 
-@pytest.mark.parametrize("name", [n for n, (w, _) in EP.items() if w == 4])
+@pytest.mark.parametrize("name", [n for n in PROVEN if EP[n][0] == 4])
 def test_ep_over_ddp_equals_single_4(launch4, moe_single, name):
     check_ep(launch4, moe_single, name)
 
@@ -199,7 +209,14 @@ def check_ep(launch, moe_single, name):
     check_planner(name, world, got)
 
 
-def check_planner(name, world, got):
+@needs_bf16
+def test_ep_bf16_all_to_all_equals_planner(launch2):
+    got = [r for r in read_metrics(launch2[__name__][0]["ep2_bf16"]) if "moe_tokens_per_expert" in r]
+    assert len(got) == 3
+    check_planner("ep2_bf16", 2, got, "bfloat16")
+
+
+def check_planner(name, world, got, dtype="float32"):
     """tools/plan.py's expert-parallel theory against the run's rank 0: its model state (the dense parameters whole,
     1/ep of the experts), the dense all-reduce over dp (the router statistics' included), the experts' over
     ep_replicate and the norm's scalar over ep, each exact; the all-to-all it predicts for balanced routing is the
@@ -208,7 +225,7 @@ def check_planner(name, world, got):
     its tokens went."""
     from parallel.layout import Layout
     from tools import plan
-    cfg = make_cfg(*small_run(*MOE, "parallel=ddp", *EP[name][1], "train.dtype=float32"))
+    cfg = make_cfg(*small_run(*MOE, "parallel=ddp", *EP[name][1], f"train.dtype={dtype}"))
     p = plan.predict(cfg, Layout.from_config(cfg.parallel, world))
     a2a = p["comm"]["ep", "all_to_all"]
     import config

@@ -157,7 +157,7 @@ def comm_bytes(layout, P, accum, knobs=KNOBS, shape=None, micro=0, seq=0, act_by
     rb, pb = DTYPE_BYTES[knobs["reduce_dtype"]], DTYPE_BYTES[knobs["param_dtype"]]
     c, strategy = Counter(), layout.strategy
     if layout.ep > 1:  # the rank's experts: reduced by parallel/ep.py, not by the data strategy
-        c.update(ep_comm_bytes(layout, shape, accum, micro, seq, rb, pb))
+        c.update(ep_comm_bytes(layout, shape, accum, micro, seq, rb, pb, act_bytes))
         P -= shape["expert_params"] / layout.ep
     if strategy == "ddp":  # one all-reduce of the gradients (Li et al., 2020)
         c["dp", "all_reduce"] += 2 * P * rb
@@ -178,21 +178,21 @@ def comm_bytes(layout, P, accum, knobs=KNOBS, shape=None, micro=0, seq=0, act_by
     return c
 
 
-def ep_comm_bytes(layout, shape, accum, micro, seq, reduce_bytes, stream_bytes):
+def ep_comm_bytes(layout, shape, accum, micro, seq, reduce_bytes, stream_bytes, act_bytes):
     """Expert parallelism's bytes per step per rank (parallel/ep.py), as comm.py counts them, for balanced routing:
     - ("ep", "all_to_all"): per MoE block and micro-step, the E int64 token counts, then the rows: the tokens'
-      k n assignments go out (dispatch) and the experts' outputs come back (combine), and in backward their
-      gradients the other way, all in the residual stream's dtype (`stream_bytes`: float32 under bf16 autocast
-      over float32 weights, measured 2026-12-04, moe_tiny on 2 ranks: the sum over ranks equal to float32's); a
-      rank's count is its inputs, 2 (sent + received rows) x d x bytes, sent = received = k n when every rank
-      receives what it sends (the load the balancing loss or bias aims at). That is the mean over ranks: the
+      k n assignments go out (dispatch, in the residual stream's dtype: `stream_bytes`, float32 under autocast over
+      float32 weights) and the experts' outputs come back (combine, in the compute dtype: `act_bytes`), and in
+      backward their gradients the other way; a rank's count is its inputs, (sent + received rows) x d x (stream +
+      compute bytes), sent = received = k n when every rank receives what it sends (the load the balancing loss or
+      bias aims at). That is the mean over ranks: the
       sum over all of them is exact whatever the routing (a dropless run's metrics.jsonl a2a_bytes_all_ranks),
       while the busiest rank receives more. Capacity drops are not predicted (dropless).
     - ("ep_replicate", "all_reduce"): the rank's E/ep experts' gradients, summed over the ranks holding the same
       ones (dp x cp / ep of them), after backward."""
     c, E, k, d = Counter(), shape["n_experts"], shape["top_k"], shape["n_embd"]
     rows = 2 * k * micro * seq  # sent + received assignments of a micro-step
-    c["ep", "all_to_all"] = shape["moe_blocks"] * accum * (8 * E + 2 * rows * d * stream_bytes)
+    c["ep", "all_to_all"] = shape["moe_blocks"] * accum * (8 * E + rows * d * (stream_bytes + act_bytes))
     if layout.reduce_ranks > layout.ep:
         c["ep_replicate", "all_reduce"] = 2 * shape["expert_params"] / layout.ep * reduce_bytes
     return c
