@@ -266,7 +266,8 @@ def test_expert_parallel_time_and_ranking():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["plan.gpu=h900"], "plan.gpu='h900': expected one of h100, h200, a100"),
+    (["plan.gpu=h900"], "plan.gpu='h900': expected one of h100, h100_pcie, h200, a100, a100_40gb, b200, mi300x, l40s"),
+    (["plan.gpu=l40s"], "plan.gpu=l40s has no nvlink: plan.link=pcie"),
     (["plan.link=wifi"], "plan.link='wifi': expected one of nvlink, pcie"),
     (["plan.world=12", "plan.gpus_per_node=4"], "not divisible by micro_batch_size (8) x data-parallel ranks (12)"),
     (["plan.world=12"], "plan.world=12 is not a whole number of nodes of 8 GPUs"),

@@ -59,15 +59,27 @@ from model import GPT, GPU_CHUNK_BYTES
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
-# Per GPU, from NVIDIA's datasheets: dense bf16 peak FLOP/s (not the 2:4-sparsity figure, twice as large), memory
-# (bytes), and link rates. The datasheets give each link's total over both directions; a ring sends and receives at
-# once, so the rate one way, half the total, is what bounds it (bytes/s below):
-#   H100 SXM5:      989 TFLOP/s, 80 GB HBM3,   NVLink 4 900 GB/s -> 450 each way, PCIe Gen5 x16 128 GB/s -> 64
-#   H200 SXM:       989 TFLOP/s, 141 GB HBM3e, NVLink 4 900 GB/s -> 450,          PCIe Gen5 x16 128 GB/s -> 64
-#   A100 SXM4 80GB: 312 TFLOP/s, 80 GB HBM2e,  NVLink 3 600 GB/s -> 300,          PCIe Gen4 x16  64 GB/s -> 32
-GPUS = {"h100": {"peak": 989e12, "memory": 80e9, "nvlink": 450e9, "pcie": 64e9},
-        "h200": {"peak": 989e12, "memory": 141e9, "nvlink": 450e9, "pcie": 64e9},
-        "a100": {"peak": 312e12, "memory": 80e9, "nvlink": 300e9, "pcie": 32e9}}
+# Per GPU, from the vendors' datasheets: dense bf16 peak FLOP/s (not the 2:4-sparsity figure, twice as large), memory
+# (bytes), its bandwidth ("hbm", bytes/s), and link rates. The datasheets give each link's total over both
+# directions; a ring sends and receives at once, so the rate one way, half the total, is what bounds it (bytes/s
+# below). "nvlink" is the GPU's scale-up fabric within a node (AMD's Infinity Fabric on the MI300X), None where the
+# GPU has none:
+#   H100 SXM5:      989 TFLOP/s,  80 GB HBM3 3.35 TB/s,  NVLink 4 900 GB/s -> 450 each way, PCIe Gen5 x16 128 -> 64
+#   H100 PCIe:      756 TFLOP/s,  80 GB HBM2e 2.0 TB/s,  NVLink bridge 600 GB/s -> 300,     PCIe Gen5 x16 128 -> 64
+#   H200 SXM:       989 TFLOP/s, 141 GB HBM3e 4.8 TB/s,  NVLink 4 900 GB/s -> 450,          PCIe Gen5 x16 128 -> 64
+#   A100 SXM4 80GB: 312 TFLOP/s,  80 GB HBM2e 2.04 TB/s, NVLink 3 600 GB/s -> 300,          PCIe Gen4 x16  64 -> 32
+#   A100 SXM4 40GB: 312 TFLOP/s,  40 GB HBM2 1.56 TB/s,  NVLink 3 600 GB/s -> 300,          PCIe Gen4 x16  64 -> 32
+#   B200 (HGX):    2250 TFLOP/s, 180 GB HBM3e 8 TB/s,    NVLink 5 1.8 TB/s -> 900,          PCIe Gen5 x16 128 -> 64
+#   MI300X:        1307 TFLOP/s, 192 GB HBM3 5.3 TB/s,   Infinity Fabric 7 x 128 GB/s -> 448, PCIe Gen5 x16 128 -> 64
+#   L40S:           362 TFLOP/s,  48 GB GDDR6 864 GB/s,  no NVLink,                         PCIe Gen4 x16  64 -> 32
+GPUS = {"h100": {"peak": 989e12, "memory": 80e9, "hbm": 3.35e12, "nvlink": 450e9, "pcie": 64e9},
+        "h100_pcie": {"peak": 756e12, "memory": 80e9, "hbm": 2.0e12, "nvlink": 300e9, "pcie": 64e9},
+        "h200": {"peak": 989e12, "memory": 141e9, "hbm": 4.8e12, "nvlink": 450e9, "pcie": 64e9},
+        "a100": {"peak": 312e12, "memory": 80e9, "hbm": 2.039e12, "nvlink": 300e9, "pcie": 32e9},
+        "a100_40gb": {"peak": 312e12, "memory": 40e9, "hbm": 1.555e12, "nvlink": 300e9, "pcie": 32e9},
+        "b200": {"peak": 2250e12, "memory": 180e9, "hbm": 8e12, "nvlink": 900e9, "pcie": 64e9},
+        "mi300x": {"peak": 1307e12, "memory": 192e9, "hbm": 5.3e12, "nvlink": 448e9, "pcie": 64e9},
+        "l40s": {"peak": 362e12, "memory": 48e9, "hbm": 0.864e12, "nvlink": None, "pcie": 32e9}}
 LINKS = ("nvlink", "pcie")  # within a node, at the GPU's own rate above
 # Between nodes, per GPU, each way: NDR InfiniBand, 400 Gb/s per port (NVIDIA ConnectX-7 datasheet), one port per
 # GPU as in a DGX H100: 50 GB/s
@@ -846,6 +858,8 @@ def check_plan(plan):
         return f"plan.gpu={plan.gpu!r}: expected one of {', '.join(GPUS)}"
     if plan.link not in LINKS:
         return f"plan.link={plan.link!r}: expected one of {', '.join(LINKS)} (within a node; plan.network between)"
+    if GPUS[plan.gpu][plan.link] is None:
+        return f"plan.gpu={plan.gpu} has no {plan.link}: plan.link=pcie"
     if plan.network not in NETWORKS:
         return f"plan.network={plan.network!r}: expected one of {', '.join(NETWORKS)}"
     for key in ("world", "gpus_per_node"):
@@ -893,7 +907,8 @@ def report(cfg, shape, layout=None):
         f"| batch {t.global_batch_size} x {t.seq_len} tokens, micro-batch {t.micro_batch_size}, activations in "
         f"{'float32' if t.dtype == 'float32' and chosen['knobs']['param_dtype'] == 'float32' else 'bfloat16'}, "
         f"{cfg.optim.name}",
-        f"cluster: {world} x {plan.gpu} ({gpu['peak'] / 1e12:.0f} TFLOP/s bf16, {gpu['memory'] / 1e9:.0f} GB) on "
+        f"cluster: {world} x {plan.gpu} ({gpu['peak'] / 1e12:.0f} TFLOP/s bf16, {gpu['memory'] / 1e9:.0f} GB at "
+        f"{gpu['hbm'] / 1e12:.2f} TB/s) on "
         f"{nodes} node(s) of {plan.gpus_per_node}; {plan.link} {gpu[plan.link] / 1e9:.0f} GB/s within a node, "
         f"{plan.network} {NETWORKS[plan.network] / 1e9:.0f} GB/s per GPU between; assumed: "
         f"{plan.compute_efficiency:.0%} of peak compute, {plan.link_efficiency:.0%} of link bandwidth",
