@@ -223,12 +223,12 @@ def check_planner(name, world, got, dtype="float32"):
     mean over ranks, exact where nothing is dropped (the sum is exact whatever the routing), and with capacity it
     is over by the dropped rows' bytes; rank 0's own all-to-all is the one part of comm_bytes that depends on where
     its tokens went."""
+    import config
     from parallel.layout import Layout
     from tools import plan
     cfg = make_cfg(*small_run(*MOE, "parallel=ddp", *EP[name][1], f"train.dtype={dtype}"))
     p = plan.predict(cfg, Layout.from_config(cfg.parallel, world))
     a2a = p["comm"]["ep", "all_to_all"]
-    import config
     with torch.device("meta"):
         tensors = len(list(M.GPT(config.model_config(cfg, 512)).parameters()))
     for r in got:

@@ -252,7 +252,7 @@ def test_expert_parallel_time_and_ranking():
     the GPU's own 50 GB/s NIC); the experts' all-reduce over the ranks that hold the same ones follows backward,
     exposed; the ranking offers DDP with every ep that divides the experts and the world."""
     cfg = plan_cfg("model=moe_tiny", "parallel=ddp", "parallel.ep=8", "plan.world=32", "plan.gpus_per_node=4",
-                   "train.seq_len=256", "train.micro_batch_size=1", "train.global_batch_size=64", "checkpoint.keep=0")
+                   "train.seq_len=256", "train.micro_batch_size=1", "train.global_batch_size=64")
     c = cluster(world=32, gpus_per_node=4)
     nvlink, nic = 0.8 * 450e9, 0.8 * 50e9
     for ep, peers in ((4, 3 / nvlink), (8, 3 / nvlink + 4 / nic)):

@@ -576,7 +576,7 @@ def step_time(layout, shape, accum, micro, seq, comm, knobs, checkpointed, plan,
     t = Counter({k: v / 2 / link[k[0]] if k[1] == "p2p" else v * (size[k[0]] - 1) / size[k[0]] / link[k[0]]
                  for k, v in comm.items()})
     if ("ep", "all_to_all") in comm:  # counted: each call's input, 1/ep of it to each peer while as much arrives
-        near = min(ep, plan.gpus_per_node // tp) if group_spans(layout, plan)["ep"] else ep  # peers in the node
+        near = group_spans(layout, plan)["ep"] or ep  # the group's GPUs in this rank's node
         intra, nic = GPUS[plan.gpu][plan.link], NETWORKS[plan.network]
         t["ep", "all_to_all"] = comm["ep", "all_to_all"] / ep * ((near - 1) / intra + (ep - near) / nic) \
             / plan.link_efficiency
