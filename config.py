@@ -106,8 +106,9 @@ class Model:  # Optional throughout: model=hf leaves them null for train.init_fr
     rope_theta: Optional[float] = above(0)
     norm_eps: Optional[float] = field(default=None, metadata={"gt": 0})
     qkv_bias: Optional[bool] = MISSING
-    # mixture of experts (model.py's MoE): n_experts 0 is a dense model, and the rest must then stay null
-    n_experts: int = at_least(0)
+    # mixture of experts (model.py's MoE): n_experts 0 is a dense model, and the rest must then stay null; n_experts
+    # null only in model=hf, for config.json to decide (hf.py)
+    n_experts: Optional[int] = at_least(0)
     top_k: Optional[int] = at_least(1)
     moe_every: Optional[int] = at_least(1)
     dense_layers: Optional[int] = at_least(0)

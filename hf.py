@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints in and out: Llama and Qwen2 as `save_pretrained` writes them (config.json, safetensors).
+"""Hugging Face checkpoints in and out: Llama, Qwen2 and Mixtral as `save_pretrained` writes them (config.json,
+safetensors).
 
 Design choices:
 - In (`model=hf train.init_from=hf:DIR`): our model's shape is read from DIR/config.json (`settings`), every
@@ -11,9 +12,14 @@ Design choices:
 - The one mapping is `hf_names`: our parameter -> the HF tensors it is made of. q_proj, k_proj, v_proj become our
   fused qkv, rows grouped per key/value head (model.py); a rectangle of qkv rows is read as runs of whole head rows
   from the three. The vocab is padded to a multiple of 128: the padded rows of the embedding and head are zeros.
+- Mixtral: every block our MoE (router=aux: softmax, top-k, the k scores renormalized; dropless; no shared
+  experts), Llama's attention. Our experts are stacked (E, in, out); the file holds each expert's (out, in) matrices
+  (`block_sparse_moe.experts.j.w1/w3/w2`, the hub's layout, which save_pretrained writes): a rectangle of experts
+  [e0, e0 + n) reads those experts' slices only, so under parallel.ep a rank reads its own experts.
 - Out (`python -m tools.hf export CHECKPOINT OUT_DIR`): any checkpoint consolidated on one process (checkpoint.py),
-  qkv unfused, the padded rows trimmed, written as a LlamaConfig (or a Qwen2Config where q/k/v have biases) and one
-  model.safetensors, with the tokenizer's files where the run used an HF one (data.tokenizer=hf).
+  qkv unfused, the padded rows trimmed, written as a LlamaConfig (a Qwen2Config where q/k/v have biases, a
+  MixtralConfig where the blocks are MoE) and one model.safetensors, with the tokenizer's files where the run used an
+  HF one (data.tokenizer=hf). An MoE that Mixtral can't express is refused, the setting named.
 """
 import json
 import os
@@ -22,7 +28,11 @@ import torch
 
 from config import ConfigError
 
-ARCHS = ("llama", "qwen2")
+ARCHS = ("llama", "qwen2", "mixtral")
+# Mixtral's own config.json keys (settings reads the first four; output_router_logits only says whether HF's forward
+# returns the router logits and adds its balancing loss)
+MOE_KEYS = {"num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", "router_jitter_noise",
+            "output_router_logits"}
 # config.json keys that change nothing our model computes (generation, bookkeeping, HF's own switches)
 IGNORED = {"architectures", "transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
            "pad_token_id", "use_cache", "initializer_range", "pretraining_tp", "_name_or_path", "output_hidden_states",
@@ -44,7 +54,7 @@ def hf_dir(cfg):
 
 
 def read_config(path):
-    """DIR/config.json as a dict; ConfigError if DIR or it is missing or is not a Llama or Qwen2 model's."""
+    """DIR/config.json as a dict; ConfigError if DIR or it is missing or is not a Llama, Qwen2 or Mixtral model's."""
     if not os.path.isdir(path):
         raise ConfigError(f"train.init_from=hf:{path}: no such directory")
     try:
@@ -53,40 +63,54 @@ def read_config(path):
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path} is not a Hugging Face model: config.json unreadable ({type(e).__name__})") from None
     if c.get("model_type") not in ARCHS:
-        raise ConfigError(f"{path} holds a model_type={c.get('model_type')} model; nanoparallel reads llama and qwen2")
+        raise ConfigError(f"{path} holds a model_type={c.get('model_type')} model; nanoparallel reads llama, qwen2 "
+                          f"and mixtral")
     return c
 
 
 def settings(c, path="DIR"):
     """Our model.* settings from config.json `c`. A setting we don't model is refused, not dropped."""
     kind, head_dim = c["model_type"], c["hidden_size"] // c["num_attention_heads"]
+    moe = kind == "mixtral"
     rope = dict(c.get("rope_parameters") or {})
     theta = rope.pop("rope_theta", c.get("rope_theta", 10000.0))
     scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    context, window = c.get("max_position_embeddings", 2048), c.get("sliding_window") if moe else None
+    dim = c.get("head_dim") or head_dim  # Mixtral writes null: hidden_size / heads
     problems = [
         scaling and f"rope_scaling {scaling} (only plain RoPE is modelled)",
         c.get("hidden_act", "silu") != "silu" and f"hidden_act={c['hidden_act']} (SwiGLU is silu's)",
         c.get("mlp_bias") and "mlp_bias=true",
-        kind == "llama" and c.get("attention_bias") and "attention_bias=true (o_proj's bias too; ours has none)",
+        kind != "qwen2" and c.get("attention_bias") and "attention_bias=true (o_proj's bias too; ours has none)",
         c.get("attention_dropout") and f"attention_dropout={c['attention_dropout']}",
-        c.get("head_dim", head_dim) != head_dim and f"head_dim={c['head_dim']} (not hidden_size / heads = {head_dim})",
+        dim != head_dim and f"head_dim={dim} (not hidden_size / heads = {head_dim})",
         c.get("use_sliding_window") and "use_sliding_window=true",
         any(t != "full_attention" for t in c.get("layer_types") or []) and "sliding-window layers (layer_types)",
+        # a window as long as the context never hides a key: the same attention as ours
+        window is not None and window < context and f"sliding_window={window} (ours attends to the whole "
+                                                    f"context, max_position_embeddings={context})",
+        moe and c.get("router_jitter_noise") and f"router_jitter_noise={c['router_jitter_noise']} (ours routes "
+                                                 f"without noise)",
     ]
     known = IGNORED | {"hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                        "intermediate_size", "rope_theta", "rope_parameters", "rope_scaling", "rms_norm_eps",
                        "tie_word_embeddings", "vocab_size", "max_position_embeddings", "attention_bias",
                        "attention_dropout", "head_dim", "hidden_act", "mlp_bias", "use_sliding_window", "layer_types"}
+    known |= MOE_KEYS if moe else set()
     problems += [f"{k} (a setting nanoparallel doesn't model)" for k in sorted(c.keys() - known)]
     problems = [p for p in problems if p]
     if problems:
         raise ConfigError(f"{path}/config.json sets {problems[0]}: our model can't reproduce it")
-    return {"n_layer": c["num_hidden_layers"], "n_head": c["num_attention_heads"], "n_embd": c["hidden_size"],
-            "n_kv_head": c.get("num_key_value_heads") or c["num_attention_heads"], "mlp": "swiglu",
-            "ffn_hidden": c["intermediate_size"], "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
-            "rope_theta": float(theta), "norm_eps": float(c.get("rms_norm_eps", 1e-6)),
-            "qkv_bias": kind == "qwen2", "vocab_size": c["vocab_size"],
-            "block_size": c.get("max_position_embeddings", 2048)}
+    out = {"n_layer": c["num_hidden_layers"], "n_head": c["num_attention_heads"], "n_embd": c["hidden_size"],
+           "n_kv_head": c.get("num_key_value_heads") or c["num_attention_heads"], "mlp": "swiglu",
+           "ffn_hidden": c["intermediate_size"], "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
+           "rope_theta": float(theta), "norm_eps": float(c.get("rms_norm_eps", 1e-6)),
+           "qkv_bias": kind == "qwen2", "vocab_size": c["vocab_size"], "block_size": context, "n_experts": 0}
+    if moe:  # every block an MoE of intermediate_size experts, routed as ours with router=aux, dropless
+        out.update(n_experts=c["num_local_experts"], top_k=c.get("num_experts_per_tok", 2), moe_every=1,
+                   dense_layers=0, n_shared_experts=0, expert_ffn_hidden=c["intermediate_size"], router="aux",
+                   aux_loss_coef=float(c.get("router_aux_loss_coef", 0.001)), capacity_factor=None)
+    return out
 
 
 def apply(cfg):
@@ -140,19 +164,34 @@ def tensor_files(path):
         return {name: single for name in f.keys()}
 
 
+EXPERT = {"gate": "w1", "up": "w3", "down": "w2"}  # our stacked experts' projections -> Mixtral's per expert
+
+
 def hf_names(name, s):
-    """The HF tensors our parameter `name` is made of (settings `s`)."""
+    """The HF tensors our parameter `name` is made of (settings `s`): one, q/k/v for the fused qkv, or one per
+    expert for a stack of experts."""
     if name.startswith("blocks."):
         _, i, rest = name.split(".", 2)
-        kind = rest.rsplit(".", 1)[1]  # weight or bias
+        kind = rest.rsplit(".", 1)[1]  # weight or bias (or an expert stack's gate, up, down)
         p = f"model.layers.{i}."
         if rest.startswith("attn.qkv."):
             return [f"{p}self_attn.{x}_proj.{kind}" for x in "qkv"]
+        if rest.startswith("mlp.experts."):
+            return [f"{p}block_sparse_moe.experts.{j}.{EXPERT[kind]}.weight" for j in range(s["n_experts"])]
         return [p + {"norm1.weight": "input_layernorm.weight", "norm2.weight": "post_attention_layernorm.weight",
                      "attn.proj.weight": "self_attn.o_proj.weight", "mlp.gate.weight": "mlp.gate_proj.weight",
-                     "mlp.up.weight": "mlp.up_proj.weight", "mlp.down.weight": "mlp.down_proj.weight"}[rest]]
+                     "mlp.up.weight": "mlp.up_proj.weight", "mlp.down.weight": "mlp.down_proj.weight",
+                     "mlp.router.weight": "block_sparse_moe.gate.weight"}[rest]]
     return [{"wte.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
              "head.weight": "lm_head.weight"}[name]]
+
+
+def is_qkv(name):
+    return ".attn.qkv." in name
+
+
+def is_experts(name):
+    return ".mlp.experts." in name
 
 
 def hf_shapes(s):
@@ -163,9 +202,11 @@ def hf_shapes(s):
     d, hd, out = s["n_embd"], s["n_embd"] // s["n_head"], {}
     for name, p in model.named_parameters():
         names = hf_names(name, s)
-        if len(names) == 3:  # q, k, v: n_head, n_kv_head, n_kv_head heads of rows
+        if is_qkv(name):  # q, k, v: n_head, n_kv_head, n_kv_head heads of rows
             for n, heads in zip(names, (s["n_head"], s["n_kv_head"], s["n_kv_head"])):
                 out[n] = (heads * hd, d) if n.endswith("weight") else (heads * hd,)
+        elif is_experts(name):  # ours (E, in, out), each expert's in the file (out, in)
+            out.update({n: tuple(p.shape[:0:-1]) for n in names})
         else:
             out[names[0]] = (s["vocab_size"], d) if name in ("wte.weight", "head.weight") else tuple(p.shape)
     return out
@@ -199,6 +240,8 @@ class Reader:
 
     def rect(self, name, offsets, sizes):
         """Our parameter `name`'s rectangle at `offsets` of `sizes` (rows, and columns for a matrix)."""
+        if is_experts(name):
+            return self.experts(name, offsets, sizes)
         (r0, n), cols = (offsets[0], sizes[0]), tuple(slice(o, o + k) for o, k in zip(offsets[1:], sizes[1:]))
         out = torch.zeros(sizes, dtype=torch.float32)  # padded vocab rows stay zero
         for hf_name, src, dst, k in self.runs(name, r0, n):
@@ -206,10 +249,19 @@ class Reader:
             self.read += k * (out[0].numel() if out.dim() > 1 else 1)
         return out
 
+    def experts(self, name, offsets, sizes):
+        """Experts [e0, e0 + n) of a stack, a block of their (in, out) matrices: each the transpose of its block of
+        the expert's (out, in) tensor in the file, read alone."""
+        (e0, a0, b0), (n, a, b) = offsets, sizes
+        out = torch.stack([self.slice(hf_name)[b0: b0 + b, a0: a0 + a].float().T
+                           for hf_name in hf_names(name, self.s)[e0: e0 + n]])
+        self.read += out.numel()
+        return out
+
     def runs(self, name, r0, n):
         """[(HF tensor, its first row, the row in the rectangle, rows)] that rows [r0, r0 + n) of `name` are."""
         names, s = hf_names(name, self.s), self.s
-        if len(names) == 1:
+        if not is_qkv(name):
             # the tied head is the embedding: read embed_tokens where the file has no lm_head
             hf_name = names[0] if names[0] in self.files else "model.embed_tokens.weight"
             last = s["vocab_size"] if name in ("wte.weight", "head.weight") else r0 + n
@@ -264,22 +316,39 @@ def from_pretrained(path):
 # --- out
 def hf_config(m, tok):
     """The transformers config of our model settings `m` (a checkpoint's state.json "model")."""
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, MixtralConfig, Qwen2Config
     from data import tokenizer
     from model import GPTConfig
     g = GPTConfig(**m)
-    if m["mlp"] != "swiglu":
-        raise ConfigError(f"model.mlp={m['mlp']}: only Llama-shaped (swiglu) models have a Hugging Face twin")
+    if g.mlp != "swiglu":
+        raise ConfigError(f"model.mlp={g.mlp}: only Llama-shaped (swiglu) models have a Hugging Face twin")
+    # an MoE is Mixtral's when routed, balanced and laid out as Mixtral's: every block, no shared experts, no drops
+    unlike = [("router", g.router != "aux", "Mixtral balances by an aux loss, not by biases"),
+              ("n_shared_experts", g.n_shared_experts, "Mixtral has no shared experts"),
+              ("dense_layers", g.dense_layers, "every block of Mixtral's is an MoE"),
+              ("moe_every", g.moe_every != 1, "every block of Mixtral's is an MoE"),
+              ("capacity_factor", g.capacity_factor is not None, "Mixtral drops no tokens"),
+              ("qkv_bias", g.qkv_bias, "Mixtral's attention has no biases")]
+    for k, bad, why in unlike:
+        if g.n_experts and bad:
+            raise ConfigError(f"model.{k}={getattr(g, k)} with model.n_experts={g.n_experts}: {why}, so this "
+                              f"model has no Hugging Face twin")
+    kind = "Mixtral" if g.n_experts else "Qwen2" if g.qkv_bias else "Llama"
     eot = tokenizer.eot_of_spec(tok)
-    common = dict(vocab_size=m["vocab_size"], hidden_size=m["n_embd"], intermediate_size=g.hidden,
-                  num_hidden_layers=m["n_layer"], num_attention_heads=m["n_head"], num_key_value_heads=g.kv_heads, max_position_embeddings=m["block_size"],
-                  rms_norm_eps=m["norm_eps"] or torch.finfo(torch.float32).eps,  # null: torch's default, fp32's
-                  tie_word_embeddings=m["tie_embeddings"], bos_token_id=eot, eos_token_id=eot,
-                  rope_parameters={"rope_type": "default", "rope_theta": m["rope_theta"]}, dtype="float32",
-                  architectures=["Qwen2ForCausalLM" if m["qkv_bias"] else "LlamaForCausalLM"])
-    if m["qkv_bias"]:  # q, k, v biases and nothing else: Qwen2's attention
-        return Qwen2Config(**common, use_sliding_window=False)
-    return LlamaConfig(**common, head_dim=g.head_dim, attention_bias=False, mlp_bias=False)
+    common = dict(vocab_size=g.vocab_size, hidden_size=g.n_embd, num_hidden_layers=g.n_layer,
+                  num_attention_heads=g.n_head, num_key_value_heads=g.kv_heads, max_position_embeddings=g.block_size,
+                  rms_norm_eps=g.norm_eps or torch.finfo(torch.float32).eps,  # null: torch's default, fp32's
+                  tie_word_embeddings=g.tie_embeddings, bos_token_id=eot, eos_token_id=eot,
+                  rope_parameters={"rope_type": "default", "rope_theta": g.rope_theta}, dtype="float32",
+                  architectures=[f"{kind}ForCausalLM"])
+    if kind == "Mixtral":  # Llama's attention, every MLP a mixture routed as ours with router=aux
+        return MixtralConfig(**common, intermediate_size=g.expert_hidden, head_dim=g.head_dim,
+                             num_local_experts=g.n_experts, num_experts_per_tok=g.top_k,
+                             router_aux_loss_coef=g.aux_loss_coef, router_jitter_noise=0.0, sliding_window=None)
+    if kind == "Qwen2":  # q, k, v biases and nothing else: Qwen2's attention
+        return Qwen2Config(**common, intermediate_size=g.hidden, use_sliding_window=False)
+    return LlamaConfig(**common, intermediate_size=g.hidden, head_dim=g.head_dim, attention_bias=False,
+                       mlp_bias=False)
 
 
 def export(path, out):
@@ -303,8 +372,12 @@ def export(path, out):
     tensors = {}
     for name, w in weights.items():
         names = hf_names(name, m)
-        parts = unfuse_qkv(w, gcfg) if len(names) == 3 else (w[:m["vocab_size"]] if name in ("wte.weight",
-                                                                                            "head.weight") else w,)
+        if is_qkv(name):
+            parts = unfuse_qkv(w, gcfg)
+        elif is_experts(name):  # (E, in, out) -> each expert's (out, in)
+            parts = [e.T for e in w]
+        else:
+            parts = (w[:m["vocab_size"]] if name in ("wte.weight", "head.weight") else w,)
         tensors.update({n: p.contiguous() for n, p in zip(names, parts)})
     tmp = out.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)

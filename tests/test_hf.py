@@ -1,10 +1,14 @@
-"""Hugging Face in and out (hf.py, tools/hf.py): tiny random Llama and Qwen2 models built by transformers itself
-(nothing downloaded), our model loaded from them giving their logits; a round trip HF -> train.py under fsdp x 2 and
-tp x 2 (in the session's world-2 launch) and under single with a tied Qwen2 -> export -> transformers giving the
-original logits again; every bad input refused in one line before anything is written."""
+"""Hugging Face in and out (hf.py, tools/hf.py): tiny random Llama, Qwen2 and Mixtral models built by transformers
+itself (nothing downloaded), our model loaded from them giving their logits; a round trip HF -> train.py under fsdp x 2
+and tp x 2, and a Mixtral under ep x 2 (in the session's world-2 launch) and under single with a tied Qwen2 -> export
+-> transformers giving the original logits again; our own trained MoE exported as a Mixtral giving our logits; every
+bad input refused in one line before anything is written."""
+import dataclasses
 import json
+import math
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -15,10 +19,12 @@ import train
 from conftest import job_output, launch_jobs, make_cfg, read_metrics, small_corpus, small_run
 from config import ConfigError
 from data.prepare import DataError
+from model import GPTConfig
 
 V = 320  # the HF vocab: our model pads it to 384 (a multiple of 128), the export trims it back
 SHAPE = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, rope_theta=500000.0, rms_norm_eps=1e-5)
+MIXTRAL = dict(num_local_experts=4, num_experts_per_tok=2)  # SHAPE's blocks, each a mixture of 4 experts of 128
 
 
 def hf_model(kind="llama", tied=False, seed=0, eos=None):
@@ -27,9 +33,11 @@ def hf_model(kind="llama", tied=False, seed=0, eos=None):
     import transformers
     transformers.utils.logging.disable_progress_bar()  # a bar per save and load, in every test's output
     torch.manual_seed(seed)
-    conf = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[kind]
-    model = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM}[kind](
-        conf(**SHAPE, tie_word_embeddings=tied, eos_token_id=eos)).eval()
+    conf = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+            "mixtral": transformers.MixtralConfig}[kind]
+    model = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+             "mixtral": transformers.MixtralForCausalLM}[kind](
+        conf(**SHAPE, **(MIXTRAL if kind == "mixtral" else {}), tie_word_embeddings=tied, eos_token_id=eos)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
@@ -90,12 +98,16 @@ def llama_dir(tmp_path_factory):
 
 # --- logits: ours from an HF folder equal transformers' (catches rotate-half vs interleaved RoPE, q/k permutations)
 @pytest.mark.quick
-@pytest.mark.parametrize("kind,tied", [("llama", False), ("qwen2", True), ("qwen2", False)])
+@pytest.mark.parametrize("kind,tied", [("llama", False), ("qwen2", True), ("qwen2", False), ("mixtral", False),
+                                       ("mixtral", True)])
 def test_logits_equal_transformers(tmp_path, kind, tied):
     ref = save_hf(str(tmp_path / "m"), kind, tied, tokenizer=False)
     ours = hf.from_pretrained(str(tmp_path / "m"))
     assert ours.cfg.padded_vocab_size == 384 and ours.cfg.tie_embeddings == tied and ours.cfg.qkv_bias == (
         kind == "qwen2")
+    c = ours.cfg
+    assert (c.n_experts, c.top_k, c.n_moe, c.expert_hidden, c.router, c.capacity_factor) == (
+        (4, 2, 2, 128, "aux", None) if kind == "mixtral" else (0, 2, 0, 128, "aux", None))
     x = tokens()
     gap = float((our_logits(ours, x) - hf_logits(ref, x)).abs().max())
     print(f"{kind} tied={tied}: largest logit gap {gap:.1e}")
@@ -113,6 +125,23 @@ def test_sharded_folder_and_a_missing_shard(tmp_path):
     assert float((our_logits(hf.from_pretrained(folder), x) - hf_logits(ref, x)).abs().max()) < 1e-5
     os.remove(os.path.join(folder, shards[1]))
     refused(tmp_path, folder, [], f"shard {shards[1]} (named in model.safetensors.index.json) is missing")
+
+
+@pytest.mark.quick
+def test_mixtral_experts_read_by_rank(tmp_path):
+    """What hf.load asks for one rank under parallel.ep=2: its half of a stacked expert tensor, read from those
+    experts' file tensors alone; the values are the whole stack's rows, each expert's w1/w3/w2 transposed."""
+    folder = str(tmp_path / "m")
+    ref = save_hf(folder, "mixtral", tokenizer=False)
+    s = hf.settings(hf.read_config(folder))
+    reader = hf.Reader(folder, s)
+    experts = ref.model.layers[1].mlp.experts  # transformers' merged layout in memory: gate_up (E, 2I, d), down
+    for ours, full in (("gate", experts.gate_up_proj[:, :128]), ("up", experts.gate_up_proj[:, 128:]),
+                       ("down", experts.down_proj)):
+        reader.read = 0
+        got = reader.rect(f"blocks.1.mlp.experts.{ours}", (2, 0, 0), (2, *full.shape[:0:-1]))
+        assert torch.equal(got, full[2:].transpose(1, 2)), ours
+        assert reader.read == got.numel() == full.numel() // 2  # experts 2 and 3, no more
 
 
 # --- bad input: one line, before anything is written
@@ -142,7 +171,7 @@ def edit_config(folder, **changes):
 @pytest.mark.parametrize("case,message", [
     ("missing", "no such directory"),
     ("no_config", "is not a Hugging Face model: config.json unreadable"),
-    ("gpt2", "holds a model_type=gpt2 model; nanoparallel reads llama and qwen2"),
+    ("gpt2", "holds a model_type=gpt2 model; nanoparallel reads llama, qwen2 and mixtral"),
     ("rope_scaling", "config.json sets rope_scaling {'rope_type': 'llama3'"),
     ("sliding", "config.json sets use_sliding_window=true"),
     ("unknown", "config.json sets qk_norm (a setting nanoparallel doesn't model)"),
@@ -154,7 +183,6 @@ def edit_config(folder, **changes):
     ("no_tokenizer", "has no tokenizer.json"),
 ])
 def test_bad_hf_dir(tmp_path, llama_dir, case, message):
-    import shutil
     folder = str(tmp_path / "m")
     shutil.copytree(llama_dir[0], folder)
     extra = {"conflict": ["model.n_layer=3"], "bpe_vocab": ["data.tokenizer=bpe"]}.get(case, [])
@@ -178,6 +206,59 @@ def test_bad_hf_dir(tmp_path, llama_dir, case, message):
     if case == "no_tokenizer":
         os.remove(os.path.join(folder, "tokenizer.json"))
     refused(tmp_path, folder, extra, message, model_hf=case != "preset")
+
+
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("hf") / "mixtral")
+    return folder, save_hf(folder, "mixtral")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("change,extra,message", [
+    ({"sliding_window": 32}, [], "config.json sets sliding_window=32 (ours attends to the whole context, "
+                                 "max_position_embeddings=64): our model can't reproduce it"),
+    ({"router_jitter_noise": 0.1}, [], "config.json sets router_jitter_noise=0.1 (ours routes without noise)"),
+    ({}, ["model.n_experts=8"], "model.n_experts=8 conflicts with"),
+    ({}, ["model.capacity_factor=1.0"], "model.capacity_factor=1.0 conflicts with"),
+    ({}, ["model.router=bias"], "model.router=bias conflicts with"),
+])
+def test_bad_mixtral_dir(tmp_path, mixtral_dir, change, extra, message):
+    folder = str(tmp_path / "m")
+    shutil.copytree(mixtral_dir[0], folder)
+    edit_config(folder, **change)
+    refused(tmp_path, folder, extra, message)
+
+
+@pytest.mark.quick
+def test_mixtral_dir_settings(tmp_path, mixtral_dir, llama_dir):
+    """A sliding window as long as the context is full attention: accepted. The MoE's settings are config.json's;
+    a Llama folder is a dense model, so model.n_experts set on one conflicts."""
+    folder = str(tmp_path / "m")
+    shutil.copytree(mixtral_dir[0], folder)
+    edit_config(folder, sliding_window=64, router_aux_loss_coef=0.02)
+    cfg = make_cfg(*hf_run(folder))
+    train.check_config(cfg, str(tmp_path / "run"), 1)
+    m = cfg.model
+    assert (m.n_experts, m.top_k, m.moe_every, m.dense_layers, m.n_shared_experts, m.expert_ffn_hidden, m.router,
+            m.aux_loss_coef, m.capacity_factor) == (4, 2, 1, 0, 0, 128, "aux", 0.02, None)
+    refused(tmp_path, llama_dir[0], ["model.n_experts=4"], "model.n_experts=4 conflicts with")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("change,message", [
+    ({"router": "bias"}, "model.router=bias with model.n_experts=4: Mixtral balances by an aux loss"),
+    ({"n_shared_experts": 1}, "model.n_shared_experts=1 with model.n_experts=4: Mixtral has no shared experts"),
+    ({"dense_layers": 1}, "model.dense_layers=1 with model.n_experts=4: every block of Mixtral's is an MoE"),
+    ({"moe_every": 2}, "model.moe_every=2 with model.n_experts=4: every block of Mixtral's is an MoE"),
+    ({"capacity_factor": 1.25}, "model.capacity_factor=1.25 with model.n_experts=4: Mixtral drops no tokens"),
+    ({"qkv_bias": True}, "model.qkv_bias=True with model.n_experts=4: Mixtral's attention has no biases"),
+])
+def test_export_refuses_an_moe_mixtral_cannot_express(change, message):
+    m = {**dataclasses.asdict(GPTConfig(n_layer=2, mlp="swiglu", n_experts=4)), **change}
+    with pytest.raises(ConfigError) as err:
+        hf.hf_config(m, {})
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
 @pytest.mark.quick
@@ -247,16 +328,46 @@ def test_round_trip_single_tied_qwen2(tmp_path, capsys):
     assert steps == [1, 2, 3], steps  # 1 and 2 from the first run, 3 from the resumed one (not 1, 2, 3 again)
 
 
-# ours (segments of flattened shards, blocks of rows and columns) and torch's (DTensor shards)
+def test_our_moe_exported_as_mixtral(tmp_path):
+    """Ours -> export -> transformers: an MoE of our own, trained 2 steps (its router and experts moved off their
+    initialization), exported as a Mixtral, gives our logits; the export's config.json says what it is."""
+    import sample
+    from transformers import AutoModelForCausalLM
+    run_dir = str(tmp_path / "run")
+    train.run(make_cfg(*small_run("model.mlp=swiglu", "model.n_head=4", "model.n_kv_head=2", "model.n_experts=4",
+                                  "model.top_k=2", "model.expert_ffn_hidden=96", "model.aux_loss_coef=0.02",
+                                  "train.max_steps=2", "train.eval_every=100")), run_dir)
+    checkpoint.export(run_dir, str(tmp_path / "ours.safetensors"))
+    ours = sample.load(str(tmp_path / "ours.safetensors"))[0]
+    out = str(tmp_path / "out")
+    hf.export(run_dir, out)
+    c = json.load(open(os.path.join(out, "config.json")))
+    assert (c["model_type"], c["architectures"], c["num_local_experts"], c["num_experts_per_tok"],
+            c["intermediate_size"], c["router_aux_loss_coef"], c["sliding_window"], c["router_jitter_noise"]) == (
+        "mixtral", ["MixtralForCausalLM"], 4, 2, 96, 0.02, None, 0.0)
+    back = AutoModelForCausalLM.from_pretrained(out).eval()
+    x = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        gap = float((ours(x)[..., :512] - back(x).logits).abs().max())
+    print(f"our MoE as a Mixtral: largest logit gap {gap:.1e}")
+    assert gap < 1e-5
+
+
+# ours (segments of flattened shards, blocks of rows and columns) and torch's (DTensor shards); a Mixtral's experts
+# split over 2 ranks (parallel.ep over DDP: each rank reads its own experts, all the rest)
 LAYOUTS = {"fsdp": ["parallel=fsdp"], "tp": ["parallel=tp"], "fsdp_torch": ["parallel=fsdp", "parallel.impl=torch"],
-           "tp_torch": ["parallel=tp", "parallel.impl=torch"]}
+           "tp_torch": ["parallel=tp", "parallel.impl=torch"], "ep_mixtral": ["parallel=ddp", "parallel.ep=2"]}
 
 
 @launch_jobs(2)
 def jobs(root, request):
-    folder = str(root / "llama")
-    save_hf(folder)
-    return {name: (str(root / name), hf_run(folder, *o)) for name, o in LAYOUTS.items()}
+    for kind in ("llama", "mixtral"):
+        save_hf(str(root / kind), kind)
+    return {name: (str(root / name), hf_run(str(root / folder_of(name)), *o)) for name, o in LAYOUTS.items()}
+
+
+def folder_of(name):
+    return "mixtral" if name == "ep_mixtral" else "llama"
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
@@ -265,11 +376,18 @@ def test_round_trip_two_ranks(launch2, tmp_path, name):
     2 steps, and the export is the original model."""
     dirs, p = launch2[__name__]
     run_dir = dirs[name]
-    folder = os.path.join(os.path.dirname(run_dir), "llama")
+    folder = os.path.join(os.path.dirname(run_dir), folder_of(name))
     read, total = map(float, re.search(r"rank 0 read ([\d.]+)M of the model's ([\d.]+)M", job_output(p, run_dir))
                       .groups())
     print(f"{name}: rank 0 read {read:.3f}M of the model's {total:.3f}M values")
-    assert read < 0.6 * total, (read, total)
+    if name == "ep_mixtral":  # every value in the files but the other rank's 2 of each block's 4 experts (to 0.01M)
+        from safetensors import safe_open
+        with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+            sizes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+        mine = sum(math.prod(v) for k, v in sizes.items() if not re.search(r"experts\.[23]\.", k))
+        assert abs(read - mine / 1e6) <= 0.005 and mine < 0.7 * sum(math.prod(v) for v in sizes.values()), (read, mine)
+    else:
+        assert read < 0.6 * total, (read, total)
     assert_round_trip(run_dir, folder, str(tmp_path / "out"))
 
 
