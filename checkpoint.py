@@ -106,24 +106,25 @@ class Pieces(torch.Tensor):
 
 def rects(shape, origin, start, n):
     """The flat range [start, start + n) of a row-major tensor of `shape` that sits at `origin` in a bigger one, as
-    rectangles [(global offsets, sizes, position in the range)]: the end of a row, whole rows, the start of a row."""
+    rectangles [(global offsets, sizes, position in the range)]: the end of a row, whole rows, the start of a row;
+    a row of a stacked tensor (model.py's experts, (E, rows, cols)) is itself a matrix, cut the same way."""
     if len(shape) == 1:
         return [((origin[0] + start,), (n,), 0)]
-    if len(shape) > 2 and start == 0 and n == math.prod(shape):  # stacked experts (model.py's MoE), held whole
-        return [(tuple(origin), tuple(shape), 0)]
-    assert len(shape) == 2, shape  # matrices and vectors; the experts' stacks only whole (no flat shards of them)
-    cols, out, pos = shape[1], [], 0
-    row, col = divmod(start, cols)
+    inner, out, pos = math.prod(shape[1:]), [], 0
+    row, col = divmod(start, inner)
+
+    def part(row, start, k, pos):  # a piece of one row: the row's own rectangles, one row deep
+        return [((origin[0] + row, *o), (1, *s), pos + p) for o, s, p in rects(shape[1:], origin[1:], start, k)]
     if col:
-        k = min(cols - col, n)
-        out.append(((origin[0] + row, origin[1] + col), (1, k), 0))
+        k = min(inner - col, n)
+        out += part(row, col, k, 0)
         pos, row = k, row + 1
-    if (n - pos) // cols:
-        rows = (n - pos) // cols
-        out.append(((origin[0] + row, origin[1]), (rows, cols), pos))
-        pos, row = pos + rows * cols, row + rows
+    if (n - pos) // inner:
+        rows = (n - pos) // inner
+        out.append(((origin[0] + row, *origin[1:]), (rows, *shape[1:]), pos))
+        pos, row = pos + rows * inner, row + rows
     if pos < n:
-        out.append(((origin[0] + row, origin[1]), (1, n - pos), pos))
+        out += part(row, 0, n - pos, pos)
     return out
 
 

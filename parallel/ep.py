@@ -6,7 +6,8 @@ adds no mesh dimension. The dp x cp ranks of a (pp, tp) coordinate, in the mesh'
 neighbours (the "ep" groups: j // ep); the ranks that hold the same experts, one in each ep group (j % ep equal), form
 the "ep_replicate" groups. With E experts, ep rank r holds experts [r E/ep, (r+1) E/ep).
 
-  memory per rank:      the dense parameters whole (as DDP keeps them), each MoE block's routed experts / ep
+  memory per rank:      each MoE block's routed experts / ep, whole; the dense parameters as the data strategy
+                        keeps them (DDP whole, ZeRO-1/2 their optimizer state and gradients sharded over dp x cp)
   communication:        per MoE block and micro-batch, forward: the (ep, E/ep) token counts (E int64s), then the
                         routed tokens out (dispatch) and their outputs back (combine), each k x tokens rows of d
                         values; backward: the same two all-to-alls of gradients in reverse. A rank's count (the
@@ -28,10 +29,12 @@ How one MoE block runs (model.py's MoE does the routing; this file replaces its 
    sent it, each scaled as its own rank's loss was (1 / accumulation steps). The global batch's mean gradient is
    then that summed over the ep_replicate group (the other ep groups' holders of the same experts) and divided by
    all dp x cp ranks, not by the ep_replicate group's size: the classic slip (a mean where a sum is wanted) makes
-   expert gradients ep x too large. The data strategy (DDP) reduces every other parameter over dp x cp as before,
-   and leaves the experts alone (`exclude`); its broadcast of the initial weights too (each rank's experts differ).
-5. The global gradient norm: the dense gradients are equal on every rank after DDP, the experts' disjoint within an
-   ep group: squares summed over the ep group, the dense ones weighted 1 / ep.
+   expert gradients ep x too large. The data strategy (DDP, ZeRO-1, ZeRO-2) reduces every other parameter over
+   dp x cp as before, and leaves the experts alone (`exclude`); its broadcast of the initial weights too (each
+   rank's experts differ). ZeRO keeps the experts out of its buckets, whole, and steps them with its shards.
+5. The global gradient norm: under DDP the dense gradients are equal on every rank, the experts' disjoint within an
+   ep group: squares summed over the ep group, the dense ones weighted 1 / ep. Under ZeRO the dense pieces are
+   disjoint over every rank: squares summed over all of them, each expert's weighted 1 / (its replicas).
 
 No overlap yet: the expert gradients are reduced after backward (sync_grads), not in buckets during it. No twin:
 torch.distributed has no expert parallelism of its own, and DeepSpeed's MoE layer is not wired here.

@@ -212,10 +212,12 @@ class Layout:
         the run computes in bf16 (`dtype`, train.dtype resolved) and the strategy keeps a working copy. With float32
         working weights under bf16 autocast, every matmul casts its weight to bf16 and autograd keeps that copy
         until backward: under FSDP a bf16 copy of the whole model builds up on every rank, and 16P/N no longer
-        holds."""
+        holds. Under expert parallelism `auto` is float32: the experts stay out of ZeRO's buckets, with no working
+        copy (parallel/zero.py)."""
         if param_dtype != "auto":
             return param_dtype
-        return "bfloat16" if dtype == "bfloat16" and self.data in WORKING_COPY[self.impl] else "float32"
+        copy = self.data in WORKING_COPY[self.impl] and self.ep == 1
+        return "bfloat16" if dtype == "bfloat16" and copy else "float32"
 
     # --- the mesh
     def build_mesh(self, device_type):
@@ -247,7 +249,7 @@ class Layout:
         for rule in (self._degrees_problem(p), self._strategy_problem(p, dtype, compile_),
                      self._tp_problem(p, model, seq_len, compile_), self._cp_problem(p, seq_len, compile_),
                      self._fsdp_problem(p, model, cpu_bf16), self._dtype_problem(p, dtype, bf16),
-                     self._tie_problem(model), self._moe_problem(model)):
+                     self._tie_problem(model), self._moe_problem(model, p, dtype)):
             if rule:
                 return rule
         if global_batch is None:
@@ -399,7 +401,7 @@ class Layout:
                     "parallel.param_dtype=float32")
         return None
 
-    def _moe_problem(self, model):
+    def _moe_problem(self, model, p, dtype):
         """Mixture of experts (model.py's MoE) and expert parallelism (parallel/ep.py): what is built so far."""
         n, ep = model.n_experts, self.ep
         if ep > 1 and not n:
@@ -418,9 +420,6 @@ class Layout:
             if getattr(self, degree) > 1:
                 return (f"model.n_experts={n} with parallel.{degree}={getattr(self, degree)}: not built yet ({why}); "
                         f"use parallel.{degree}=1")
-        if self.strategy not in ("none", "ddp"):
-            return (f"model.n_experts={n} with parallel.data={self.data}: not built yet (checkpoints of flat shards "
-                    f"of the experts' stacked weights); use parallel.data=ddp")
         if ep == 1:
             return None
         if n % ep:
@@ -428,10 +427,14 @@ class Layout:
         if self.reduce_ranks % ep:
             return (f"parallel.ep={ep} takes its ranks from the {self.reduce_ranks} data-parallel ranks (dp x cp), "
                     f"and must divide them")
-        if self.data != "ddp" or self.impl != "scratch":
+        if self.data not in ("ddp", "zero1", "zero2") or self.impl != "scratch":
             return (f"parallel.ep={ep} with parallel.data={self.data} parallel.impl={self.impl}: expert parallelism "
-                    f"runs beside ours DDP so far (parallel.data=ddp parallel.impl=scratch); the other data "
+                    f"runs beside ours DDP, ZeRO-1 and ZeRO-2 so far (parallel.impl=scratch); the other data "
                     f"strategies and the twins are not wired to it yet")
+        if self.working_dtype(p.param_dtype, dtype) != "float32":
+            return (f"parallel.ep={ep} with parallel.param_dtype={self.working_dtype(p.param_dtype, dtype)}: the "
+                    f"experts stay out of ZeRO's buckets, whole and in float32, with no bf16 working copy; use "
+                    f"parallel.param_dtype=float32 (train.dtype=bfloat16's autocast still computes them in bf16)")
         return None
 
     def _pp_problem(self, p, model, micro_batches, ac="none"):

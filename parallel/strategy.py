@@ -157,7 +157,8 @@ class Sharded(DataParallel):
     segments = {}
 
     def grad_pieces(self):
-        return [(n, s.grad) for n, p in self.module.named_parameters() for s in self.segments.get(p, [])]
+        return [(n, s.grad) for n, p in self.module.named_parameters() for s in self.segments.get(p, [])
+                if s.grad is not None]
 
 
 @torch.no_grad()
@@ -201,8 +202,13 @@ def clip_grad_norm(data, tp, mesh, max_norm, device, ep=ExpertParallel()):
         dist.all_reduce(sq, group=pp)
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, sq.sqrt())
         return sq.sqrt()
-    if ep.size > 1:  # experts disjoint within the ep group, the rest equal on every rank (parallel/ep.py, step 5)
+    if ep.size > 1:  # the experts disjoint within the ep group (parallel/ep.py, step 5)
         pieces = data.grad_pieces()
+        if data.grads_sharded:  # ZeRO's dense pieces disjoint over every rank (the default group: dp x cp, as
+            # experts run without tp and pp), each expert whole on its ep_replicate group's ranks
+            return clip_shards([g for _, g in pieces], max_norm, None, device,
+                               weights=[1 / ep.replicate.size() if ep.expert(n) else 1.0 for n, _ in pieces])
+        # DDP: the dense gradients equal on every rank
         return clip_shards([g for _, g in pieces], max_norm, ep.group, device,
                            weights=[1.0 if ep.expert(n) else 1 / ep.size for n, _ in pieces])
     if not data.grads_sharded and tp.size == 1:

@@ -42,6 +42,11 @@ The optimizer the caller builds (any torch optimizer, any param groups) is used 
 hyper-parameters step views of this rank's master slices ("segments"), each in the group of the parameter it
 belongs to. Checkpoints store the master (`holders`), so a mixed-precision checkpoint holds float32 weights and
 loads under any layout.
+
+Expert parallelism (parallel/ep.py): the experts named in `exclude` differ from rank to rank of the ep group, so they
+stay out of the buckets, whole on this rank (E/ep of each block's experts), their gradients summed by ep.py over
+the ranks that hold the same ones; the local optimizer steps them beside the shards (their state unsharded: the
+dense parameters are ZeRO's, the experts are already divided by ep).
 """
 from dataclasses import dataclass, field
 
@@ -85,7 +90,7 @@ class ZeroOptimizer(Sharded):
     """The strategy and its optimizer in one: the loop steps this object, which steps this rank's segments."""
 
     def __init__(self, model, make_optimizer, stage, bucket_mb=25, reduce_dtype=torch.float32,
-                 param_dtype=torch.float32, accumulate="local", group=None):
+                 param_dtype=torch.float32, accumulate="local", group=None, exclude=()):
         assert stage in (1, 2) and accumulate in ("local", "sharded") and (stage == 2 or accumulate == "local")
         self.model = self.module = model
         self.optimizer = self
@@ -98,10 +103,12 @@ class ZeroOptimizer(Sharded):
         self.sink = self.grad_dtype != param_dtype
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         template = make_optimizer(model)  # holds no state until its first step, so it costs nothing
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = [p for n, p in model.named_parameters() if p.requires_grad and n not in exclude]
+        # the experts, whole: the local optimizer steps them as they are, their .grad from autograd (and ep.py)
+        self.whole = {p for n, p in model.named_parameters() if p.requires_grad and n in exclude}
         self.buckets = buckets.pack(params, bucket_mb, pad=self.world)
         src = dist.get_global_rank(group, 0) if group is not None else 0
-        segments = {}  # parameter -> the views of it that this rank owns
+        segments = {p: [p] for p in self.whole}  # parameter -> the views of it that this rank owns
         for b in self.buckets:
             full = torch.zeros(b.numel, dtype=params[0].dtype, device=params[0].device)  # the fp32 initial weights
             for p, o in zip(b.params, b.offsets):
@@ -223,6 +230,8 @@ class ZeroOptimizer(Sharded):
     def holders(self, p):
         # sharded optimizer state; the weights: whole parameters in float32, the fp32 master segments in mixed
         # precision (a checkpoint stores fp32 weights; after_load rebuilds the working copy from them)
+        if p in self.whole:
+            return [(p, 0)], [(p, 0)]
         segs = [(s, s.param_offset) for s in self.segments.get(p, [])]
         return ([(p, 0)] if not self.mixed else segs), segs
 
@@ -256,7 +265,9 @@ class ZeroOptimizer(Sharded):
 
     def zero_grad(self, set_to_none=True):
         # stage 1 keeps its views (zeroed in place); stage 2 has no .grad outside backward, and its shards are
-        # overwritten by the next reduction, unless every micro-step adds into them
+        # overwritten by the next reduction, unless every micro-step adds into them; the experts' are autograd's
+        for p in self.whole:
+            p.grad = None
         if self.stage == 1:
             for b in self.buckets:
                 b.state.grad.zero_()
@@ -265,10 +276,10 @@ class ZeroOptimizer(Sharded):
                 b.state.grad_shard.zero_()
 
 
-def apply_zero(model, mesh, p, make_optimizer, stage):
-    """Ours: ZeRO-`stage` over the mesh's dp group."""
+def apply_zero(model, mesh, p, make_optimizer, stage, exclude=()):
+    """Ours: ZeRO-`stage` over the mesh's dp group (all but the parameters named in `exclude`: the experts)."""
     return ZeroOptimizer(model, make_optimizer, stage, p.bucket_mb, DTYPES[p.reduce_dtype], DTYPES[p.param_dtype],
-                         p.accumulate, group=mesh.get_group("dp"))
+                         p.accumulate, group=mesh.get_group("dp"), exclude=exclude)
 
 
 # --- torch's twins

@@ -205,6 +205,30 @@ def test_export_and_sample(ref, tmp_path):
     assert p.returncode == 1 and p.stderr.strip().startswith("error: ") and len(p.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.quick
+def test_rects_cut_any_flat_range_of_any_tensor():
+    """checkpoint.rects: a flat range of a row-major tensor (a ZeRO or FSDP shard's piece of a parameter) as the
+    rectangles of the global tensor it covers, for vectors, matrices and the experts' stacks (E, d, f), at any origin
+    (a tensor-parallel block, an ep rank's experts). The rectangles' values, read from the global tensor in order,
+    are the range's own."""
+    import math
+    import random
+    rng = random.Random(0)
+    for _ in range(300):
+        shape = tuple(rng.randint(1, 5) for _ in range(rng.randint(1, 3)))
+        full = tuple(s + rng.randint(0, 3) for s in shape)
+        origin = tuple(rng.randint(0, f - s) for f, s in zip(full, shape))
+        start = rng.randint(0, math.prod(shape) - 1)
+        n = rng.randint(1, math.prod(shape) - start)
+        g = torch.arange(math.prod(full)).view(full)
+        want = g[tuple(slice(o, o + s) for o, s in zip(origin, shape))].reshape(-1)[start: start + n]
+        got = torch.full((n,), -1)
+        for offsets, sizes, pos in checkpoint.rects(shape, origin, start, n):
+            piece = g[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].reshape(-1)
+            got[pos: pos + piece.numel()] = piece
+        assert torch.equal(got, want), (shape, origin, start, n)
+
+
 # --- resharding: a chain of runs, each resuming from the one before at the next step, that crosses every strategy
 # and every world size, as the saver and as the loader, and every layout checkpoint.py knows: whole tensors (single;
 # ddp and zero2 under torch are laid out as ddp and zero1 are), flat ranges (our zero, our fsdp), row/column blocks

@@ -1,8 +1,9 @@
 """Mixture of experts (model.py's MoE) and expert parallelism (parallel/ep.py): the MoE block against a token-by-token
 loop, capacity's drops against an independent count, the balancing loss against its formula (and its gradient
-against autograd's of the loss added), the statistics not counted twice under activation checkpointing; ep=2 over
-DDP equal to parallel=single in loss, grad_norm, val_loss, tokens per expert and final weights, and its all-to-all
-bytes summed as theory has them; the refusals, in one line."""
+against autograd's of the loss added), the statistics not counted twice under activation checkpointing; ep over
+DDP, ZeRO-1 and ZeRO-2, and an MoE under ZeRO and FSDP (ours and torch's) without ep, equal to parallel=single in
+loss, grad_norm, val_loss, tokens per expert and final weights, their all-to-all bytes summed as theory has them and
+the planner's state and traffic; the refusals, in one line."""
 import math
 
 import pytest
@@ -143,20 +144,30 @@ def test_grouped_mm_equals_loop():
 MOE = ("model.n_experts=4", "model.top_k=2", "train.global_batch_size=8", "train.micro_batch_size=2",
        "train.max_steps=3", "train.eval_every=100", "checkpoint.keep=1")
 CAPACITY = ("model.capacity_factor=0.75",)  # at most 48 of a micro-batch's 256 assignments an expert: 64+ dropped
-# name: (world, overrides), over ours DDP. ep=2 and ep=4 over all the ranks; ep=2 on 4 ranks: two ep groups, each
+# name: (world, overrides). Over ours DDP: ep=2 and ep=4 over all the ranks; ep=2 on 4 ranks: two ep groups, each
 # expert held on two ranks (the replicate group its gradients are summed over); capacity: the drops under ep
-EP = {"ep2": (2, ["parallel.ep=2"]), "ep2_capacity": (2, ["parallel.ep=2", *CAPACITY]),
-      "ep4": (4, ["parallel.ep=4"]), "ep2_dp4": (4, ["parallel.ep=2"]),
+EP = {"ep2": (2, ["parallel=ddp", "parallel.ep=2"]), "ep2_capacity": (2, ["parallel=ddp", "parallel.ep=2", *CAPACITY]),
+      "ep4": (4, ["parallel=ddp", "parallel.ep=4"]), "ep2_dp4": (4, ["parallel=ddp", "parallel.ep=2"]),
+      # over ours ZeRO: the dense parameters sharded, the experts whole on their ep ranks (parallel/zero.py exclude);
+      # ZeRO-2 reduce-scattering every micro-step, and ep=2 on 4 ranks (the experts' replicas)
+      "zero1_ep2": (2, ["parallel=zero1", "parallel.ep=2"]),
+      "zero2_ep2_sharded": (2, ["parallel=zero2", "parallel.ep=2", "parallel.accumulate=sharded"]),
+      "zero2_ep2_dp4": (4, ["parallel=zero2", "parallel.ep=2"]),
+      # no expert parallelism: every expert in the strategy's flat shards (a shard's cut through the stacked (E, d, f)
+      # tensors is what its checkpoint writes: checkpoint.rects), ours and torch's
+      "zero2": (2, ["parallel=zero2"]), "fsdp": (2, ["parallel=fsdp"]),
+      "fsdp_torch": (2, ["parallel=fsdp", "parallel.impl=torch"]), "zero1_torch_dp4": (4, ["parallel=zero1",
+                                                                                           "parallel.impl=torch"]),
       # under bf16 autocast: the rows go out in float32 (the residual stream's), the experts' outputs come back in
       # bf16 (the grouped matmul runs in the autocast dtype): the planner's count, not single's numbers
-      "ep2_bf16": (2, ["parallel.ep=2", "train.dtype=bfloat16"])}
+      "ep2_bf16": (2, ["parallel=ddp", "parallel.ep=2", "train.dtype=bfloat16"])}
 PROVEN = [n for n in EP if not n.endswith("bf16")]
 
 
 def register(world):
     @launch_jobs(world)
     def jobs(root, request):
-        return {name: (str(root / name), small_run(*MOE, "parallel=ddp", *extra))
+        return {name: (str(root / name), small_run(*MOE, *extra))
                 for name, (w, extra) in EP.items() if w == world}
     return jobs
 
@@ -183,12 +194,12 @@ def a2a_theory(record, n_moe=2, E=4, k=2, d=64, tokens=8 * 64, micro_batches=8 /
 
 
 @pytest.mark.parametrize("name", [n for n in PROVEN if EP[n][0] == 2])
-def test_ep_over_ddp_equals_single_2(launch2, moe_single, name):
+def test_moe_layouts_equal_single_2(launch2, moe_single, name):
     check_ep(launch2, moe_single, name)
 
 
 @pytest.mark.parametrize("name", [n for n in PROVEN if EP[n][0] == 4])
-def test_ep_over_ddp_equals_single_4(launch4, moe_single, name):
+def test_moe_layouts_equal_single_4(launch4, moe_single, name):
     check_ep(launch4, moe_single, name)
 
 
@@ -205,8 +216,12 @@ def check_ep(launch, moe_single, name):
         assert [r[key] for r in got] == [r[key] for r in want], key
     assert all((r["moe_dropped"] > 0) == name.endswith("capacity") for r in got)
     for r in got:
-        assert r["a2a_bytes_all_ranks"] == a2a_theory(r), r["a2a_bytes_all_ranks"] - a2a_theory(r)
-    check_planner(name, world, got)
+        if "ep" in name:
+            assert r["a2a_bytes_all_ranks"] == a2a_theory(r), r["a2a_bytes_all_ranks"] - a2a_theory(r)
+        else:
+            assert "a2a_bytes_all_ranks" not in r and "comm_ep_all_to_all" not in r
+    if "torch" not in name:  # the planner's theory is ours: FSDP2 gathers less (3/4 of it here: it keeps the root
+        check_planner(name, world, got)  # unit gathered from forward to backward), ZeroRedundancyOptimizer broadcasts
 
 
 @needs_bf16
@@ -226,18 +241,25 @@ def check_planner(name, world, got, dtype="float32"):
     import config
     from parallel.layout import Layout
     from tools import plan
-    cfg = make_cfg(*small_run(*MOE, "parallel=ddp", *EP[name][1], f"train.dtype={dtype}"))
-    p = plan.predict(cfg, Layout.from_config(cfg.parallel, world))
-    a2a = p["comm"]["ep", "all_to_all"]
+    cfg = make_cfg(*small_run(*MOE, *EP[name][1], f"train.dtype={dtype}"))
+    layout = Layout.from_config(cfg.parallel, world)
+    p = plan.predict(cfg, layout)
+    a2a = p["comm"].get(("ep", "all_to_all"), 0)
     with torch.device("meta"):
         tensors = len(list(M.GPT(config.model_config(cfg, 512)).parameters()))
     for r in got:
-        assert r["state_bytes"] - p["state"] == 4 * tensors  # AdamW's step counters, which the planner leaves out
+        # AdamW's step counters, which the planner leaves out: one a tensor (a ZeRO or FSDP rank: one a segment it
+        # owns, at most one a tensor)
+        extra = r["state_bytes"] - p["state"]
+        assert extra == 4 * tensors if layout.strategy == "ddp" else 0 < extra <= 4 * tensors and extra % 4 == 0
+        # exact but where a shard's padding or torch's DTensor norm (bytes the planner leaves out) add a little
+        exact = layout.strategy == "ddp" or layout.ep > 1 and layout.impl == "scratch"
         for (dim, kind), v in p["comm"].items():
             if kind != "all_to_all":
-                assert r[f"comm_{dim}_{kind}"] == v, (dim, kind)
-        assert a2a * world - r["a2a_bytes_all_ranks"] == 4 * 64 * 4 * r["moe_dropped"]  # d = 64, float32
-        assert r["comm_bytes"] == p["comm_total"] - a2a + r["comm_ep_all_to_all"]
+                assert r[f"comm_{dim}_{kind}"] == (v if exact else pytest.approx(v, rel=1e-3)), (dim, kind)
+        if layout.ep > 1:
+            assert a2a * world - r["a2a_bytes_all_ranks"] == 4 * 64 * 4 * r["moe_dropped"]  # d = 64, float32
+        assert r["comm_bytes"] == pytest.approx(p["comm_total"] - a2a + r.get("comm_ep_all_to_all", 0), rel=1e-3)
 
 
 def test_refusals(tmp_path):
@@ -246,9 +268,11 @@ def test_refusals(tmp_path):
     assert_refused(tmp_path, ["parallel=ddp", "parallel.ep=2"], 2, "but the model has none")
     assert_refused(tmp_path, ["model.n_experts=3", "parallel=ddp", "parallel.ep=2"], 2, "must divide model.n_experts")
     assert_refused(tmp_path, ["model.n_experts=4", "parallel=ddp", "parallel.ep=4"], 2, "must divide them")
-    assert_refused(tmp_path, ["model.n_experts=4", "parallel=zero1", "parallel.ep=2"], 2, "not built yet")
+    assert_refused(tmp_path, ["model.n_experts=4", "parallel=fsdp", "parallel.ep=2"], 2, "runs beside ours DDP, ZeRO")
     assert_refused(tmp_path, ["model.n_experts=4", "parallel=ddp", "parallel.impl=torch", "parallel.ep=2"], 2,
-                   "runs beside ours DDP")
+                   "runs beside ours DDP, ZeRO-1 and ZeRO-2")
+    assert_refused(tmp_path, ["model.n_experts=4", "parallel=zero2", "parallel.ep=2", "parallel.param_dtype=bfloat16"],
+                   2, "the experts stay out of ZeRO's buckets, whole and in float32")
     assert_refused(tmp_path, ["model.n_experts=4", "parallel=tp"], 2, "not built yet")
     assert_refused(tmp_path, ["model.n_experts=4", "parallel=zero2", "parallel.impl=deepspeed"], 2,
                    "DeepSpeed's MoE routes by its own gate")

@@ -271,6 +271,7 @@ def measure(cfg, layout, rank, compute, device, dtype, accum, steps, on_step=Non
                     saved.arm()
                     step_start = time.time()
                     train.train_step(par, x, y, accum, t.micro_batch_size, autocast, max_norm)
+                    par.router_stats()  # as train.py's loop: an MoE's statistics summed over the dp x cp ranks
                     out = {**info, "step": step, "state_bytes": par.state_bytes(), "comm_bytes": comm.bytes,
                            "transient_bytes": par.data.transient_bytes, "activation_bytes": saved.bytes,
                            "comm": dict(comm.by_dim), "step_s": time.time() - step_start}

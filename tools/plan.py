@@ -146,12 +146,21 @@ def params_per_rank(shape, tp, ep=1):
 
 # --- the theory of each strategy: state and communication, keyed by the Layout's fields (layout.strategy: the data
 # strategy that runs; layout.hsdp; layout.tp, layout.cp; layout.sharded and layout.shard_ranks)
-def state_bytes(layout, P, opt_bytes=8, knobs=KNOBS):
+def state_bytes(layout, P, opt_bytes=8, knobs=KNOBS, experts=0):
     """Model state per rank: {parameters, gradients, optimizer: bytes}, for P parameters on this rank's tp slice,
     the parts the strategy splits (layout.sharded) over layout.shard_ranks (dp x cp; HSDP: dp_shard).
     ZeRO with param_dtype=bfloat16: bf16 working weights (whole), fp32 master weights (sharded, "master"), gradients
     in the wider of param_dtype and reduce_dtype (parallel/zero.py). FSDP's parameters are its fp32 shards whatever
-    param_dtype (the gathered bf16 copies are transient)."""
+    param_dtype (the gathered bf16 copies are transient). `experts`: of P, the routed experts the rank holds under
+    expert parallelism (E/ep of each MoE block's): outside the data strategy, whole and float32 (parallel/ep.py,
+    parallel/zero.py)."""
+    state = _split_state(layout, P - experts, opt_bytes, knobs)
+    for k, b in (("parameters", 4), ("gradients", 4), ("optimizer", opt_bytes)):
+        state[k] += b * experts
+    return state
+
+
+def _split_state(layout, P, opt_bytes, knobs):
     whole = {"parameters": 4 * P, "gradients": 4 * P, "optimizer": opt_bytes * P}
     if layout.strategy in ("zero1", "zero2") and knobs["param_dtype"] != "float32":
         pb, rb = DTYPE_BYTES[knobs["param_dtype"]], DTYPE_BYTES[knobs["reduce_dtype"]]
@@ -736,7 +745,8 @@ def _predict(cfg, layout, ac, shape, plan):
     # auto: bf16 autocast, as on any GPU this plans for; bf16 working weights compute in bf16 whatever train.dtype
     act_bytes = 2 if knobs["param_dtype"] == "bfloat16" else DTYPE_BYTES.get(t.dtype, 2)
     P = params_per_rank(shape, tp, layout.ep)
-    state = state_bytes(layout, P, optimizer_bytes(cfg.optim), knobs)
+    experts = shape.get("expert_params", 0) / layout.ep if layout.ep > 1 else 0  # outside the data strategy
+    state = state_bytes(layout, P, optimizer_bytes(cfg.optim), knobs, experts)
     comm = comm_bytes(layout, P, accum, knobs, shape, t.micro_batch_size, t.seq_len // cp, act_bytes)
     if cp > 1:
         comm.update(cp_comm_bytes(shape, t.micro_batch_size, t.seq_len, act_bytes, accum, cp, method, tp,
@@ -752,7 +762,7 @@ def _predict(cfg, layout, ac, shape, plan):
     selective = ac == "selective"
     kept, recompute = cp_activation_bytes(shape, t.micro_batch_size, t.seq_len, act_bytes, cp, method, tp,
                                           knobs["sequence_parallel"], checkpointed, residual, selective)
-    memory = {**state, "transient": transient_bytes(layout, shape, P, accum, knobs),
+    memory = {**state, "transient": transient_bytes(layout, shape, P - experts, accum, knobs),
               "activations": kept + recompute,
               "autocast copies": autocast_copy_bytes(shape, P, tp, checkpointed) if act_bytes == 2 and
               knobs["param_dtype"] == "float32" else 0}
@@ -822,14 +832,14 @@ def candidates(world, plan, impl="scratch", experts=0):
     rest; HSDP with a shard group per node where there is more than one node; context parallel over every divisor
     of world, with DDP or FSDP over dp x cp, and FSDP x TP beside it within a node; pipeline stages over every
     divisor of world (outermost: across nodes first), with DDP (nothing to reduce where a stage is one rank) or FSDP
-    over each stage's ranks, and FSDP x TP within a node; for a model with `experts`, DDP with expert parallelism
-    over every ep that divides both. Whether one can run this model, batch and knobs is the rule book's to say
-    (ranking)."""
+    over each stage's ranks, and FSDP x TP within a node; for a model with `experts`, DDP, ZeRO-1 and ZeRO-2 with
+    expert parallelism over every ep that divides both. Whether one can run this model, batch and knobs is the rule
+    book's to say (ranking)."""
     n = plan.gpus_per_node
     for data in DATA_STRATEGIES:
         yield Layout(world, dp_shard=world, data=data, impl=impl)
-    yield from (Layout(world, dp_shard=world, data="ddp", impl=impl, ep=ep) for ep in range(2, world + 1)
-                if world % ep == 0 and experts % ep == 0)
+    yield from (Layout(world, dp_shard=world, data=data, impl=impl, ep=ep) for data in ("ddp", "zero1", "zero2")
+                for ep in range(2, world + 1) if world % ep == 0 and experts % ep == 0)
     yield Layout(world, tp=world, data="ddp", impl=impl)
     for data in ("fsdp", "zero1", "zero2"):
         yield from (Layout(world, dp_shard=world // k, tp=k, data=data, impl=impl)
