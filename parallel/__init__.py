@@ -159,7 +159,9 @@ def parallelize(model, layout, p, mesh, make_optimizer, device, train):
         materialize(model, init_param, device)
         data = DataParallel(model, make_optimizer)
     else:
-        extra = {"exclude": par_ep.names} if layout.ep > 1 else {}  # the experts: reduced by parallel/ep.py
+        # the experts: ZeRO and DDP leave them to parallel/ep.py, FSDP shards them over ep's replicate group
+        extra = {} if layout.ep == 1 else {"experts": par_ep} if layout.strategy == "fsdp" else \
+            {"exclude": par_ep.names}
         data = DATA_PARALLEL[layout.strategy, layout.impl](model, data_mesh, p, make_optimizer, device, init_param,
                                                            **extra)
     if pipeline is not None:  # the schedule calls the stages through the data strategy's wrapper and hooks

@@ -6,8 +6,10 @@ adds no mesh dimension. The dp x cp ranks of a (pp, tp) coordinate, in the mesh'
 neighbours (the "ep" groups: j // ep); the ranks that hold the same experts, one in each ep group (j % ep equal), form
 the "ep_replicate" groups. With E experts, ep rank r holds experts [r E/ep, (r+1) E/ep).
 
-  memory per rank:      each MoE block's routed experts / ep, whole; the dense parameters as the data strategy
-                        keeps them (DDP whole, ZeRO-1/2 their optimizer state and gradients sharded over dp x cp)
+  memory per rank:      each MoE block's routed experts / ep, whole (beside DDP and ZeRO) or sharded by FSDP over
+                        the dp x cp / ep ranks that hold the same ones; the dense parameters as the data strategy
+                        keeps them (DDP whole, ZeRO-1/2 their optimizer state and gradients sharded over dp x cp,
+                        FSDP all of it)
   communication:        per MoE block and micro-batch, forward: the (ep, E/ep) token counts (E int64s), then the
                         routed tokens out (dispatch) and their outputs back (combine), each k x tokens rows of d
                         values; backward: the same two all-to-alls of gradients in reverse. A rank's count (the
@@ -31,10 +33,13 @@ How one MoE block runs (model.py's MoE does the routing; this file replaces its 
    all dp x cp ranks, not by the ep_replicate group's size: the classic slip (a mean where a sum is wanted) makes
    expert gradients ep x too large. The data strategy (DDP, ZeRO-1, ZeRO-2) reduces every other parameter over
    dp x cp as before, and leaves the experts alone (`exclude`); its broadcast of the initial weights too (each
-   rank's experts differ). ZeRO keeps the experts out of its buckets, whole, and steps them with its shards.
+   rank's experts differ). ZeRO keeps the experts out of its buckets, whole, and steps them with its shards. FSDP
+   instead shards each block's experts over ep_replicate, a unit of their own, and reduce-scatters their gradients
+   there itself (divided by all dp x cp ranks): nothing is left for sync_grads.
 5. The global gradient norm: under DDP the dense gradients are equal on every rank, the experts' disjoint within an
    ep group: squares summed over the ep group, the dense ones weighted 1 / ep. Under ZeRO the dense pieces are
-   disjoint over every rank: squares summed over all of them, each expert's weighted 1 / (its replicas).
+   disjoint over every rank: squares summed over all of them, each expert's weighted 1 / (its replicas); under
+   FSDP every piece is disjoint, the experts' shards too.
 
 No overlap yet: the expert gradients are reduced after backward (sync_grads), not in buckets during it. No twin:
 torch.distributed has no expert parallelism of its own, and DeepSpeed's MoE layer is not wired here.
@@ -112,8 +117,9 @@ def groups(layout):
 class ExpertParallel(Base):
     """What the training loop and the data strategy need of expert parallelism (parallel/strategy.py's interface)."""
 
-    def __init__(self, model, layout, group, replicate, names, init_param):
+    def __init__(self, model, layout, group, replicate, names, init_param, modules):
         self.module, self.size, self.group, self.replicate = model, layout.ep, group, replicate
+        self.modules = modules  # each MoE block's experts (model.py's Experts): FSDP makes each a unit
         self.names, self.reduce_ranks, self._init = frozenset(names), layout.reduce_ranks, init_param
         self.rank = dist.get_rank(group)
 
@@ -122,6 +128,7 @@ class ExpertParallel(Base):
 
     @torch.no_grad()
     def sync_grads(self):
+        # under FSDP no expert has a .grad here: FSDP reduce-scattered them over ep_replicate (parallel/fsdp.py)
         for name, p in self.module.named_parameters():
             if name in self.names and p.grad is not None:
                 if self.replicate.size() > 1:
@@ -141,7 +148,7 @@ def apply_ep(model, mesh, layout):
     through it. Returns the ExpertParallel."""
     group, replicate = groups(layout)
     ep, r = layout.ep, dist.get_rank(group)
-    names, full_shapes = [], {}
+    names, full_shapes, modules = [], {}, []
     for name, moe in model.named_modules():
         if not isinstance(moe, MoE):
             continue
@@ -151,6 +158,7 @@ def apply_ep(model, mesh, layout):
             full_shapes[full] = tuple(p.shape)
             setattr(moe.experts, pname, nn.Parameter(p.new_empty(p.size(0) // ep, *p.shape[1:])))
         moe.dispatch = functools.partial(dispatch, moe.experts, group, ep)
+        modules.append(moe.experts)
 
     def init_param(inner, name, local):
         if name not in full_shapes:
@@ -158,4 +166,4 @@ def apply_ep(model, mesh, layout):
         full = torch.empty(full_shapes[name], dtype=local.dtype, device=local.device)
         inner(name, full)  # single's draw of all the experts, then this rank's share
         local.copy_(full.chunk(ep)[r])
-    return ExpertParallel(model, layout, group, replicate, names, init_param)
+    return ExpertParallel(model, layout, group, replicate, names, init_param, modules)

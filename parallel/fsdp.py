@@ -38,6 +38,13 @@ sees the refilled values (the trick torch's first FSDP used).
 - meta-device init: given a model built on the meta device, each unit is materialized one parameter at a time from
             model.init_param (same RNG order as a whole-model init) and only this rank's slice is kept: no rank
             ever holds more than one full parameter besides its shards.
+- expert parallelism (parallel/ep.py): a rank's E/ep experts of an MoE block differ within its ep group, so they
+            are sharded over what is left of dp x cp, the ep_replicate group (R = dp x cp / ep ranks that hold the
+            same experts), as a unit of their own inside their block's: gathered when the experts run, freed
+            after, reduce-scattered over R and divided by all dp x cp ranks (their gradient already sums the ep
+            group's tokens, which the all-to-all brought). State 16 (E/ep) / R = 16 E / (dp x cp) bytes a
+            parameter: the same 16P/N as without ep; traffic per step over ep_replicate, 3 x their bytes. With
+            R = 1 the unit is whole on its rank and nothing is communicated for it.
 """
 import contextlib
 from dataclasses import dataclass
@@ -63,7 +70,7 @@ def units_of(model, blocks_per_unit):
 @dataclass(eq=False)
 class UnitState:
     """What FSDP keeps per unit (unit.state): made at wrap time; the last three change as it is gathered and freed."""
-    # the unit's name: wte, blocks.i-j or head
+    # the unit's name: wte, blocks.i-j or head (an MoE block's experts under ep: blocks.i-j.experts)
     name: str
     # its modules in forward order: a pre-hook on the first gathers the unit, a hook on the last frees it again
     modules: list
@@ -75,6 +82,11 @@ class UnitState:
     gathered: torch.Tensor
     # this rank's fp32 gradient shard, which every backward's reduced slice is added into; zeroed by zero_grad
     grad_shard: torch.Tensor
+    # the ranks that shard the unit (FSDP's group; for experts ep_replicate) and how many they are
+    group: object = None
+    world: int = 1
+    # an expert unit no other rank holds (ep = dp x cp): whole here, gathered by a copy, reduced by nobody
+    alone: bool = False
     # gathered holds the full parameters: set once its all-gather is waited on, cleared by _free
     is_gathered: bool = True
     # (work, src) of the all-gather in flight, src kept alive until it lands: set in _gather, cleared once waited on
@@ -85,13 +97,15 @@ class UnitState:
 
 class FSDP(Sharded):
     """The strategy and its optimizer in one: the loop steps this object, which steps this rank's shards."""
+    shards_experts = True
 
     def __init__(self, model, make_optimizer, device, blocks_per_unit=1, reshard_after_forward=True, prefetch=1,
                  param_dtype=torch.float32, reduce_dtype=torch.float32, cpu_offload=False, group=None,
-                 init_param=None, replicate_group=None):
+                 init_param=None, replicate_group=None, experts=None):
         # init_param(name, tensor) fills a parameter from the meta device (default: model.init_param); tensor
         # parallelism passes one that fills the local tp shard. group: the ranks that shard; replicate_group (HSDP):
-        # the ranks that hold the same shard, across which reduced gradients are all-reduced
+        # the ranks that hold the same shard, across which reduced gradients are all-reduced; experts (parallel/ep.py's
+        # ExpertParallel, under ep > 1): its MoE blocks' experts modules become units over its replicate group
         init_param = init_param or model.init_param
         self.model = self.module = model
         self.optimizer = self
@@ -108,38 +122,16 @@ class FSDP(Sharded):
         self.pending_reduce, self.pending_replicate = [], []
         self.peak_gathered = 0  # most bytes of gathered units (and their gradients in flight) held at once
         self.local_grads = 0  # bytes of the units' gradients accumulated locally between micro-steps (no_sync)
+        expert_modules = set(experts.modules) if experts is not None else set()
         for name, modules in units_of(model, blocks_per_unit):
-            owned = [(mod, k, p) for m in modules for mod in m.modules() for k, p in mod._parameters.items()
-                     if p is not None]
-            params = [p for _, _, p in owned]
-            u = buckets.layout(params, pad=self.world)
-            shard = u.numel // self.world
-            lo, hi = self.rank * shard, (self.rank + 1) * shard
-            # offloaded shards in pinned memory where there is a GPU to copy to: a copy from pageable memory is
-            # synchronous, and each unit's gather would wait for it instead of overlapping (torch's offload pins too)
-            pin = cpu_offload and self.device.type == "cuda"
-            master = torch.zeros(shard, dtype=torch.float32, device=self.shard_device, pin_memory=pin)
-            for p, o in zip(params, u.offsets):  # fill this rank's slice, one full parameter at a time
-                full = torch.empty(p.shape, dtype=torch.float32, device=self.device)
-                if on_meta:
-                    init_param(names[p], full)
-                else:
-                    full.copy_(p.data)
-                a, z = max(o, lo), min(o + p.numel(), hi)
-                if a < z:
-                    master[a - lo: z - lo].copy_(full.view(-1)[a - o: z - o])
-            # the module's parameters become views into the unit's gathered buffer (new Parameter objects: a
-            # meta tensor can't be pointed at real memory)
-            gathered = torch.empty(u.numel, dtype=param_dtype, device=self.device)
-            u.params = []
-            for (mod, k, p), o in zip(owned, u.offsets):
-                setattr(mod, k, nn.Parameter(gathered[o: o + p.numel()].view(p.shape), p.requires_grad))
-                u.params.append(getattr(mod, k))
-            u.state = UnitState(name, modules, master, lo, hi, gathered,
-                                torch.zeros(shard, dtype=torch.float32, device=self.shard_device, pin_memory=pin))
-            owned_segments(u.params, u.offsets, lo, hi, master, u.state.grad_shard, segments)
-            self._free(u)
-            self.units.append(u)
+            inner = [e for m in modules for e in m.modules() if e in expert_modules]
+            skip = {p for e in inner for p in e.parameters()}
+            segments = self._add_unit(name, modules, group, self.world, self.rank, skip, names, on_meta, init_param,
+                                      param_dtype, cpu_offload, segments)
+            r = experts.replicate if inner else None  # the experts' own units, after their block's
+            for e in inner:
+                segments = self._add_unit(f"{name}.experts", [e], r, r.size(), r.rank(), set(), names, on_meta,
+                                          init_param, param_dtype, cpu_offload, segments)
         if on_meta:  # buffers (RoPE tables) are small: materialize and fill them whole
             model.init_buffers(self.device)
         template = make_optimizer(model)  # over the new parameters; it holds no state until a step, so costs nothing
@@ -151,6 +143,43 @@ class FSDP(Sharded):
             u.state.modules[-1].register_forward_hook(lambda m, args, out, i=i: self._post_forward(i, out))
         self.hooks = buckets.ReadyHooks(self.units, self._reduce_scatter, self._end_of_backward, always=True)
 
+    def _add_unit(self, name, modules, group, world, rank, skip, names, on_meta, init_param, param_dtype,
+                  cpu_offload, segments):
+        """One unit: `modules`' parameters (but those in `skip`) flattened, this rank's slice of them kept as its
+        fp32 master shard, each parameter a view into the gathered buffer. Returns segments, with the unit's."""
+        owned = [(mod, k, p) for m in modules for mod in m.modules() for k, p in mod._parameters.items()
+                 if p is not None and p not in skip]
+        params = [p for _, _, p in owned]
+        u = buckets.layout(params, pad=world)
+        shard = u.numel // world
+        lo, hi = rank * shard, (rank + 1) * shard
+        # offloaded shards in pinned memory where there is a GPU to copy to: a copy from pageable memory is
+        # synchronous, and each unit's gather would wait for it instead of overlapping (torch's offload pins too)
+        pin = cpu_offload and self.device.type == "cuda"
+        master = torch.zeros(shard, dtype=torch.float32, device=self.shard_device, pin_memory=pin)
+        for p, o in zip(params, u.offsets):  # fill this rank's slice, one full parameter at a time
+            full = torch.empty(p.shape, dtype=torch.float32, device=self.device)
+            if on_meta:
+                init_param(names[p], full)
+            else:
+                full.copy_(p.data)
+            a, z = max(o, lo), min(o + p.numel(), hi)
+            if a < z:
+                master[a - lo: z - lo].copy_(full.view(-1)[a - o: z - o])
+        # the module's parameters become views into the unit's gathered buffer (new Parameter objects: a
+        # meta tensor can't be pointed at real memory)
+        gathered = torch.empty(u.numel, dtype=param_dtype, device=self.device)
+        u.params = []
+        for (mod, k, p), o in zip(owned, u.offsets):
+            setattr(mod, k, nn.Parameter(gathered[o: o + p.numel()].view(p.shape), p.requires_grad))
+            u.params.append(getattr(mod, k))
+        u.state = UnitState(name, modules, master, lo, hi, gathered,
+                            torch.zeros(shard, dtype=torch.float32, device=self.shard_device, pin_memory=pin),
+                            group, world, group is not self.group and world == 1)
+        self._free(u)
+        self.units.append(u)
+        return owned_segments(u.params, u.offsets, lo, hi, master, u.state.grad_shard, segments)
+
     # --- gathering and freeing a unit's full parameters
     def _gather(self, u, wait=True):
         s = u.state
@@ -161,7 +190,12 @@ class FSDP(Sharded):
             src = s.master.to(self.device, non_blocking=True).to(self.param_dtype)
             # write through .data, an alias with a version counter of its own: the views autograd saved in forward
             # must not look modified when backward finds them refilled with the same values
-            work = comm.all_gather_single(s.gathered.data, src, group=self.group, async_op=True)
+            if s.alone:
+                s.gathered.data.copy_(src)
+                s.is_gathered = True
+                self._track()
+                return
+            work = comm.all_gather_single(s.gathered.data, src, group=s.group, async_op=True)
             s.gather = (work, src)
             self._track()
         if wait and s.gather is not None:
@@ -220,10 +254,15 @@ class FSDP(Sharded):
         if self.hooks.sync:  # the last micro-step: reduce-scatter the sum (non-final ones keep it local)
             flat, u.state.acc = u.state.acc, None
             self.local_grads -= flat.numel() * flat.element_size()
-            flat.div_(self.world * self.replicas)  # the mean over every data-parallel rank, replicas included
-            out = torch.empty(u.numel // self.world, dtype=self.reduce_dtype, device=self.device)
-            work = comm.reduce_scatter_single(out, flat, group=self.group, async_op=True)
-            self.pending_reduce.append((u, work, flat, out))
+            # the mean over every data-parallel rank, replicas included (experts too: their gradient sums their
+            # ep group's tokens, and their unit's ranks hold the other ep groups' sums)
+            flat.div_(self.world * self.replicas)
+            if u.state.alone:  # its whole gradient is this rank's
+                self._accumulate(u, flat)
+            else:
+                out = torch.empty(u.numel // u.state.world, dtype=self.reduce_dtype, device=self.device)
+                work = comm.reduce_scatter_single(out, flat, group=u.state.group, async_op=True)
+                self.pending_reduce.append((u, work, flat, out))
             # at most one reduction in flight besides this one: each holds a full-size gradient buffer. Settled at
             # fixed points, never when a poll says it is done: under HSDP settling issues the replicas' all-reduce,
             # and NCCL needs every rank to issue it at the same place among the shard group's reduce-scatters
@@ -285,14 +324,15 @@ class FSDP(Sharded):
             u.state.grad_shard.zero_()
 
 
-def apply_fsdp(model, mesh, p, make_optimizer, device, init_param):
+def apply_fsdp(model, mesh, p, make_optimizer, device, init_param, experts=None):
     """Ours over the mesh's dp group, or under HSDP over dp_shard with replicas across dp_replicate: materializes
-    only this rank's shards of a model on the meta device."""
+    only this rank's shards of a model on the meta device. `experts`: expert parallelism's (parallel/ep.py), whose
+    experts are sharded over its replicate group."""
     hsdp = mesh.get_group("dp_replicate").size() > 1
     return FSDP(model, make_optimizer, device, p.blocks_per_unit, p.reshard_after_forward, p.prefetch,
                 DTYPES[p.param_dtype], DTYPES[p.reduce_dtype], p.cpu_offload,
                 group=mesh.get_group("dp_shard" if hsdp else "dp"), init_param=init_param,
-                replicate_group=mesh.get_group("dp_replicate") if hsdp else None)
+                replicate_group=mesh.get_group("dp_replicate") if hsdp else None, experts=experts)
 
 
 # --- torch's twin

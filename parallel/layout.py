@@ -212,11 +212,11 @@ class Layout:
         the run computes in bf16 (`dtype`, train.dtype resolved) and the strategy keeps a working copy. With float32
         working weights under bf16 autocast, every matmul casts its weight to bf16 and autograd keeps that copy
         until backward: under FSDP a bf16 copy of the whole model builds up on every rank, and 16P/N no longer
-        holds. Under expert parallelism `auto` is float32: the experts stay out of ZeRO's buckets, with no working
-        copy (parallel/zero.py)."""
+        holds. Under expert parallelism `auto` is float32 beside ZeRO: the experts stay out of its buckets, with no
+        working copy (parallel/zero.py); FSDP gathers them in param_dtype as any unit.""" 
         if param_dtype != "auto":
             return param_dtype
-        copy = self.data in WORKING_COPY[self.impl] and self.ep == 1
+        copy = self.data in WORKING_COPY[self.impl] and (self.ep == 1 or self.data == "fsdp")
         return "bfloat16" if dtype == "bfloat16" and copy else "float32"
 
     # --- the mesh
@@ -427,11 +427,12 @@ class Layout:
         if self.reduce_ranks % ep:
             return (f"parallel.ep={ep} takes its ranks from the {self.reduce_ranks} data-parallel ranks (dp x cp), "
                     f"and must divide them")
-        if self.data not in ("ddp", "zero1", "zero2") or self.impl != "scratch":
-            return (f"parallel.ep={ep} with parallel.data={self.data} parallel.impl={self.impl}: expert parallelism "
-                    f"runs beside ours DDP, ZeRO-1 and ZeRO-2 so far (parallel.impl=scratch); the other data "
-                    f"strategies and the twins are not wired to it yet")
-        if self.working_dtype(p.param_dtype, dtype) != "float32":
+        if self.data not in ("ddp", "zero1", "zero2", "fsdp") or self.impl != "scratch" or self.hsdp:
+            return (f"parallel.ep={ep} with parallel.data={self.data} parallel.impl={self.impl}"
+                    f"{' parallel.dp_replicate=' + str(self.dp_replicate) if self.hsdp else ''}: expert parallelism "
+                    f"runs beside ours DDP, ZeRO-1, ZeRO-2 and FSDP so far (parallel.impl=scratch, no HSDP); the "
+                    f"twins are not wired to it yet")
+        if self.data in ("zero1", "zero2") and self.working_dtype(p.param_dtype, dtype) != "float32":
             return (f"parallel.ep={ep} with parallel.param_dtype={self.working_dtype(p.param_dtype, dtype)}: the "
                     f"experts stay out of ZeRO's buckets, whole and in float32, with no bf16 working copy; use "
                     f"parallel.param_dtype=float32 (train.dtype=bfloat16's autocast still computes them in bf16)")

@@ -10,6 +10,8 @@ A data-parallel strategy (parallel/ddp.py, zero.py, fsdp.py; parallel.data) is a
                    under no_sync, then this once)
   grads_sharded    true where each data-parallel rank holds a disjoint piece of every gradient (ZeRO-2, FSDP)
   replicas         how many data-parallel ranks hold each such piece: 1, or HSDP's dp_replicate
+  shards_experts   under expert parallelism, whether the strategy shards the experts over their replicas (FSDP)
+                   or leaves them whole for parallel/ep.py to reduce (DDP, ZeRO)
   grad_pieces()    [(parameter name, gradient piece)] on this rank, for the global norm
   holders(p)       the tensors a checkpoint writes for parameter p: ([(weights, offset)], [(optimizer key, offset)])
   optimizer_state()  {optimizer key: {state name: tensor}} for those keys (the local optimizer's own state)
@@ -37,6 +39,7 @@ from torch.distributed.tensor import DTensor
 class DataParallel:
     grads_sharded = False
     replicas = 1
+    shards_experts = False
     transient_bytes = None
 
     def __init__(self, model, make_optimizer=None, module=None):
@@ -204,10 +207,12 @@ def clip_grad_norm(data, tp, mesh, max_norm, device, ep=ExpertParallel()):
         return sq.sqrt()
     if ep.size > 1:  # the experts disjoint within the ep group (parallel/ep.py, step 5)
         pieces = data.grad_pieces()
-        if data.grads_sharded:  # ZeRO's dense pieces disjoint over every rank (the default group: dp x cp, as
-            # experts run without tp and pp), each expert whole on its ep_replicate group's ranks
+        if data.grads_sharded:  # ZeRO's and FSDP's dense pieces disjoint over every rank (the default group: dp x
+            # cp, as experts run without tp and pp); each expert whole on its ep_replicate ranks (ZeRO) or sharded
+            # over them (FSDP)
+            copies = 1 if data.shards_experts else ep.replicate.size()
             return clip_shards([g for _, g in pieces], max_norm, None, device,
-                               weights=[1 / ep.replicate.size() if ep.expert(n) else 1.0 for n, _ in pieces])
+                               weights=[1 / copies if ep.expert(n) else 1.0 for n, _ in pieces])
         # DDP: the dense gradients equal on every rank
         return clip_shards([g for _, g in pieces], max_norm, ep.group, device,
                            weights=[1.0 if ep.expert(n) else 1 / ep.size for n, _ in pieces])

@@ -97,11 +97,11 @@ def test_llama_70b_at_world_512(name, overrides, rank):
     assert_planner_equals(m, predicted)
 
 
-@pytest.mark.parametrize("data", ["ddp", "zero2"])
+@pytest.mark.parametrize("data", ["ddp", "zero2", "fsdp"])
 def test_deepseek_v3_at_world_256(data):
-    """DeepSeek-V3's shape (672B parameters, 58 MoE blocks of 256 experts, top 8) as rank 3 of 256 under DDP, and
-    ZeRO-2 (the dense part sharded, the experts whole), with expert parallelism over 64: each rank holds 4 experts of
-    each block. The routing is balanced here, as the planner
+    """DeepSeek-V3's shape (672B parameters, 58 MoE blocks of 256 experts, top 8) as rank 3 of 256 under DDP, ZeRO-2
+    (the dense part sharded, the experts whole) and FSDP (the experts sharded too, over the 4 ranks that hold the
+    same ones), with expert parallelism over 64: each rank holds 4 experts of each block. The routing is balanced here, as the planner
     assumes (fake tensors hold no token counts: tools/dry_run.py balanced_routing), so the all-to-all's bytes are the
     planner's mean; the model state and every collective by (mesh dimension, kind) equal the planner's to 1e-6.
     Activations are not compared: the planner counts an MoE block's as the dense MLP's (measured 2.2x that here)."""

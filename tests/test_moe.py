@@ -153,6 +153,10 @@ EP = {"ep2": (2, ["parallel=ddp", "parallel.ep=2"]), "ep2_capacity": (2, ["paral
       "zero1_ep2": (2, ["parallel=zero1", "parallel.ep=2"]),
       "zero2_ep2_sharded": (2, ["parallel=zero2", "parallel.ep=2", "parallel.accumulate=sharded"]),
       "zero2_ep2_dp4": (4, ["parallel=zero2", "parallel.ep=2"]),
+      # over ours FSDP: the experts sharded over what is left of dp x cp (ep=2 on 4 ranks: each expert's unit over
+      # 2 ranks), or whole where ep takes every rank (nothing to gather)
+      "fsdp_ep2": (2, ["parallel=fsdp", "parallel.ep=2"]), "fsdp_ep2_dp4": (4, ["parallel=fsdp", "parallel.ep=2"]),
+      "fsdp_ep4": (4, ["parallel=fsdp", "parallel.ep=4"]),
       # no expert parallelism: every expert in the strategy's flat shards (a shard's cut through the stacked (E, d, f)
       # tensors is what its checkpoint writes: checkpoint.rects), ours and torch's
       "zero2": (2, ["parallel=zero2"]), "fsdp": (2, ["parallel=fsdp"]),
@@ -268,9 +272,12 @@ def test_refusals(tmp_path):
     assert_refused(tmp_path, ["parallel=ddp", "parallel.ep=2"], 2, "but the model has none")
     assert_refused(tmp_path, ["model.n_experts=3", "parallel=ddp", "parallel.ep=2"], 2, "must divide model.n_experts")
     assert_refused(tmp_path, ["model.n_experts=4", "parallel=ddp", "parallel.ep=4"], 2, "must divide them")
-    assert_refused(tmp_path, ["model.n_experts=4", "parallel=fsdp", "parallel.ep=2"], 2, "runs beside ours DDP, ZeRO")
+    assert_refused(tmp_path, ["model.n_experts=4", "parallel=fsdp", "parallel.impl=torch", "parallel.ep=2"], 2,
+                   "runs beside ours DDP, ZeRO-1, ZeRO-2 and FSDP")
+    assert_refused(tmp_path, ["model.n_experts=4", "parallel=hsdp", "parallel.dp_shard=2", "parallel.ep=2"], 4,
+                   "parallel.dp_replicate=2: expert parallelism runs beside ours")
     assert_refused(tmp_path, ["model.n_experts=4", "parallel=ddp", "parallel.impl=torch", "parallel.ep=2"], 2,
-                   "runs beside ours DDP, ZeRO-1 and ZeRO-2")
+                   "runs beside ours DDP, ZeRO-1, ZeRO-2 and FSDP")
     assert_refused(tmp_path, ["model.n_experts=4", "parallel=zero2", "parallel.ep=2", "parallel.param_dtype=bfloat16"],
                    2, "the experts stay out of ZeRO's buckets, whole and in float32")
     assert_refused(tmp_path, ["model.n_experts=4", "parallel=tp"], 2, "not built yet")

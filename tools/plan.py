@@ -152,11 +152,12 @@ def state_bytes(layout, P, opt_bytes=8, knobs=KNOBS, experts=0):
     ZeRO with param_dtype=bfloat16: bf16 working weights (whole), fp32 master weights (sharded, "master"), gradients
     in the wider of param_dtype and reduce_dtype (parallel/zero.py). FSDP's parameters are its fp32 shards whatever
     param_dtype (the gathered bf16 copies are transient). `experts`: of P, the routed experts the rank holds under
-    expert parallelism (E/ep of each MoE block's): outside the data strategy, whole and float32 (parallel/ep.py,
-    parallel/zero.py)."""
+    expert parallelism (E/ep of each MoE block's), float32: whole beside DDP and ZeRO (parallel/zero.py), sharded
+    by FSDP over the dp x cp / ep ranks that hold the same ones (parallel/fsdp.py)."""
     state = _split_state(layout, P - experts, opt_bytes, knobs)
+    holders = layout.shard_ranks // layout.ep if layout.strategy == "fsdp" else 1
     for k, b in (("parameters", 4), ("gradients", 4), ("optimizer", opt_bytes)):
-        state[k] += b * experts
+        state[k] += b * experts / holders
     return state
 
 
@@ -177,9 +178,13 @@ def comm_bytes(layout, P, accum, knobs=KNOBS, shape=None, micro=0, seq=0, act_by
     sequence on this rank (seq_len / cp), what tensor parallelism moves."""
     rb, pb = DTYPE_BYTES[knobs["reduce_dtype"]], DTYPE_BYTES[knobs["param_dtype"]]
     c, strategy = Counter(), layout.strategy
-    if layout.ep > 1:  # the rank's experts: reduced by parallel/ep.py, not by the data strategy
+    if layout.ep > 1:  # the rank's experts: reduced by parallel/ep.py (sharded by FSDP over ep_replicate)
         c.update(ep_comm_bytes(layout, shape, accum, micro, seq, rb, pb, act_bytes))
-        P -= shape["expert_params"] / layout.ep
+        experts = shape["expert_params"] / layout.ep
+        P -= experts
+        if strategy == "fsdp" and layout.reduce_ranks > layout.ep:  # FSDP's traffic for them, over their holders
+            c["ep_replicate", "all_gather"] += accum * (2 if knobs["reshard_after_forward"] else 1) * experts * pb
+            c["ep_replicate", "reduce_scatter"] += experts * rb
     if strategy == "ddp":  # one all-reduce of the gradients (Li et al., 2020)
         c["dp", "all_reduce"] += 2 * P * rb
     elif strategy in ("zero1", "zero2"):  # reduce-scatter the gradients, all-gather the updated working weights
@@ -210,11 +215,11 @@ def ep_comm_bytes(layout, shape, accum, micro, seq, reduce_bytes, stream_bytes, 
       sum over all of them is exact whatever the routing (a dropless run's metrics.jsonl a2a_bytes_all_ranks),
       while the busiest rank receives more. Capacity drops are not predicted (dropless).
     - ("ep_replicate", "all_reduce"): the rank's E/ep experts' gradients, summed over the ranks holding the same
-      ones (dp x cp / ep of them), after backward."""
+      ones (dp x cp / ep of them), after backward; FSDP reduce-scatters them instead (comm_bytes)."""
     c, E, k, d = Counter(), shape["n_experts"], shape["top_k"], shape["n_embd"]
     rows = 2 * k * micro * seq  # sent + received assignments of a micro-step
     c["ep", "all_to_all"] = shape["moe_blocks"] * accum * (8 * E + rows * d * (stream_bytes + act_bytes))
-    if layout.reduce_ranks > layout.ep:
+    if layout.reduce_ranks > layout.ep and layout.strategy != "fsdp":
         c["ep_replicate", "all_reduce"] = 2 * shape["expert_params"] / layout.ep * reduce_bytes
     return c
 
@@ -832,13 +837,14 @@ def candidates(world, plan, impl="scratch", experts=0):
     rest; HSDP with a shard group per node where there is more than one node; context parallel over every divisor
     of world, with DDP or FSDP over dp x cp, and FSDP x TP beside it within a node; pipeline stages over every
     divisor of world (outermost: across nodes first), with DDP (nothing to reduce where a stage is one rank) or FSDP
-    over each stage's ranks, and FSDP x TP within a node; for a model with `experts`, DDP, ZeRO-1 and ZeRO-2 with
-    expert parallelism over every ep that divides both. Whether one can run this model, batch and knobs is the rule
+    over each stage's ranks, and FSDP x TP within a node; for a model with `experts`, DDP, ZeRO-1, ZeRO-2 and FSDP
+    with expert parallelism over every ep that divides both. Whether one can run this model, batch and knobs is the rule
     book's to say (ranking)."""
     n = plan.gpus_per_node
     for data in DATA_STRATEGIES:
         yield Layout(world, dp_shard=world, data=data, impl=impl)
-    yield from (Layout(world, dp_shard=world, data=data, impl=impl, ep=ep) for data in ("ddp", "zero1", "zero2")
+    yield from (Layout(world, dp_shard=world, data=data, impl=impl, ep=ep)
+                for data in ("ddp", "zero1", "zero2", "fsdp")
                 for ep in range(2, world + 1) if world % ep == 0 and experts % ep == 0)
     yield Layout(world, tp=world, data="ddp", impl=impl)
     for data in ("fsdp", "zero1", "zero2"):
