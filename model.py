@@ -328,6 +328,8 @@ class Experts(nn.Module):
 
     def forward(self, x, counts):
         """x: (rows, d), counts[e] rows for expert e in a row (of this module's experts)."""
+        if torch.is_autocast_enabled(x.device.type):  # cast the rows once: gate's and up's casts kept one copy each
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         up = grouped_mm(x, self.up, counts)
         h = F.gelu(up) if self.gate is None else F.silu(grouped_mm(x, self.gate, counts)) * up
         return grouped_mm(h, self.down, counts)

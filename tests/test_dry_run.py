@@ -103,8 +103,9 @@ def test_deepseek_v3_at_world_256(data):
     (the dense part sharded, the experts whole) and FSDP (the experts sharded too, over the 4 ranks that hold the
     same ones), with expert parallelism over 64: each rank holds 4 experts of each block. The routing is balanced here, as the planner
     assumes (fake tensors hold no token counts: tools/dry_run.py balanced_routing), so the all-to-all's bytes are the
-    planner's mean; the model state and every collective by (mesh dimension, kind) equal the planner's to 1e-6.
-    Activations are not compared: the planner counts an MoE block's as the dense MLP's (measured 2.2x that here)."""
+    planner's mean; the model state and every collective by (mesh dimension, kind) equal the planner's to 1e-6, and
+    what one micro-batch keeps for backward (297.3 GB, float32) its count to 1e-5 (tools/plan.py
+    moe_activation_bytes: before it the planner counted an MoE block as a dense MLP, 2.2x short)."""
     m, predicted = dry("model=deepseek_v3", f"parallel={data}", "parallel.ep=64", "dry_run.world=256",
                        "train.seq_len=4096", "train.micro_batch_size=1", "train.global_batch_size=256",
                        "dry_run.steps=1", "dry_run.compute=fake")
@@ -113,6 +114,7 @@ def test_deepseek_v3_at_world_256(data):
     assert set(m["comm"]) == set(predicted["comm"])
     for key, b in predicted["comm"].items():
         assert m["comm"][key] == pytest.approx(b, rel=1e-6), key
+    assert m["activation_bytes"] == pytest.approx(sum(predicted["one_micro_batch"]), rel=1e-5)
 
 
 # context parallel and HSDP at world 64: fsdp_cp over cp=4 at a long sequence (each rank 1024 of every 4096 tokens),

@@ -532,6 +532,34 @@ def test_activation_memory_equals_planner(ac, dtype, cp, method, seq):
     assert peak == pytest.approx(p_peak, rel=0.05)
 
 
+# two MoE shapes (model.py's MoE): SwiGLU experts with a shared one in every block, and GELU experts every second
+# block among dense ones; each with the mode of checkpointing that shows it best
+MOE_SHAPES = [({"n_layer": 2, "n_head": 4, "n_embd": 64, "vocab_size": 512, "n_experts": 4, "top_k": 2,
+                "mlp": "swiglu", "n_shared_experts": 1, "ffn_hidden": 128}, ("none", "selective")),
+              ({"n_layer": 3, "n_head": 4, "n_embd": 64, "vocab_size": 512, "n_experts": 8, "top_k": 2,
+                "mlp": "gelu", "moe_every": 2}, ("full",))]
+
+
+@pytest.mark.parametrize("shape,modes", MOE_SHAPES)
+def test_moe_activations_equal_planner(shape, modes):
+    """What an MoE model keeps for backward after one forward (tools/act_memory.py on real tensors, one process,
+    float32) against the planner's count (plan.activation_bytes with moe_activation_bytes): equal but for a few
+    bytes (4 measured, 2026-12-06), without checkpointing, under selective checkpointing (the router's and the
+    shared expert's matmuls kept, the grouped matmuls recomputed) and full."""
+    from model import GPT, GPTConfig
+    with torch.device("meta"):
+        c = GPT(GPTConfig(block_size=256, **shape)).cfg
+    s = {"n_layer": c.n_layer, "n_embd": c.n_embd, "n_head": c.n_head, "vocab": c.padded_vocab_size,
+         "kv_embd": c.kv_heads * c.head_dim, "hidden": c.hidden, "mlp": c.mlp, "n_experts": c.n_experts,
+         "top_k": c.top_k, "moe_blocks": c.n_moe, "expert_hidden": c.expert_hidden,
+         "shared_hidden": c.n_shared_experts * c.expert_hidden, "aux_loss": True}
+    for ac in modes:
+        kept, _ = act_memory.measure(1, shape=shape, seq=256, batch=2, ac=ac, compute="real")
+        planned, _ = plan.activation_bytes(s, 2, 256, 4, checkpointed=plan.checkpointed_fraction(ac, c.n_layer),
+                                           selective=ac == "selective")
+        assert kept == pytest.approx(planned, rel=1e-6, abs=64), (ac, kept, planned)
+
+
 def test_long_context_plan():
     """gpt_1p3b at 32k tokens on 8 GPUs: the ranking covers cp layouts, and the configured one reports its balance
     and exposed ring time."""

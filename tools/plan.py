@@ -120,7 +120,12 @@ def model_shape(cfg):
             # parallelism splits (model.Experts: gate (SwiGLU), up, down, stacked, no biases)
             "n_experts": c.n_experts, "top_k": c.top_k if c.n_experts else 0, "moe_blocks": c.n_moe,
             "expert_params": c.n_moe * c.n_experts * (3 if c.mlp == "swiglu" else 2) * c.n_embd * c.expert_hidden
-            if c.n_experts else 0}
+            if c.n_experts else 0,
+            # what an MoE block keeps for backward (moe_activation_bytes): each expert's and the shared experts'
+            # widths, and whether the balancing loss runs
+            "expert_hidden": c.expert_hidden if c.n_experts else 0,
+            "shared_hidden": c.n_shared_experts * c.expert_hidden if c.n_experts else 0,
+            "aux_loss": bool(c.n_experts and c.router == "aux" and c.aux_loss_coef > 0)}
 
 
 def dims(shape):
@@ -328,8 +333,28 @@ def checkpointed_fraction(mode, n_layer, every=1):
     return {"none": 0, "full": 1, "selective": 1, "every_n": math.ceil(n_layer / every) / n_layer}[mode]
 
 
+def moe_activation_bytes(shape, tokens, act_bytes, ep=1):
+    """What an MoE block (model.py's MoE) keeps for backward in its MLP's place, over `tokens` tokens, for dropless
+    balanced routing (each of the k n assignments kept; under ep each rank receives as many rows as it sends),
+    per token:
+      the router: its scores, float32 (4 E), the top-k's indices (8 k), the chosen scores and their sum (4 k + 4)
+      the dispatch: the token and order indices of the assignments (16 k), their rows as the experts' first matmul
+        takes them (k d, compute dtype); under ep the all-to-all saves nothing, but the two permutations of the
+        rows that arrive (16 k more)
+      the experts: the MLP's wide tensors over the k rows (k f x 4 SwiGLU, x 2 GELU; f each expert's width)
+      the combine: the experts' outputs, twice (the product with the gates, and the scatter's), the gates (k)
+      the shared experts: a dense MLP's wide tensors at their width
+    and per block: each grouped matmul's int32 offsets over the rank's experts, the balancing loss's f (4 E).
+    (Under autocast the grouped matmuls' bf16 copies of the experts' weights are kept too: autocast_copy_bytes'.)"""
+    E, k, d, f = shape["n_experts"], shape["top_k"], shape["n_embd"], shape["expert_hidden"]
+    wide, ab = dims(shape)[3], act_bytes
+    per_token = (4 * E + 12 * k + 4 + 16 * k + k * d * ab + k * f * wide * ab + k * (2 * d + 1) * ab
+                 + shape["shared_hidden"] * wide * ab + (16 * k if ep > 1 else 0))
+    return per_token * tokens + 4 * E // ep * (wide - 1) + 4 * E * shape["aux_loss"]
+
+
 def activation_bytes(shape, micro, seq, act_bytes, tp=1, sequence_parallel=False, checkpointed=0.0, residual_bytes=4,
-                     selective=False, ring_attention=False):
+                     selective=False, ring_attention=False, ep=1):
     """Bytes autograd keeps for backward, one micro-batch (only one is alive at a time), counted in our Block
     (tools/act_memory.py measures them, tests/test_plan.py checks the count); `act_bytes` the compute dtype's (the
     matmuls' outputs), `residual_bytes` the residual stream's, the working weights' dtype (4 under autocast over
@@ -365,10 +390,14 @@ def activation_bytes(shape, micro, seq, act_bytes, tp=1, sequence_parallel=False
     tables = 2 * d / heads * ab if heads and ab < 4 else 0  # cos and sin cast below float32 (model.apply_rope)
     attention = (2 * d + 2 * kv) * ab + 4 * heads
     block = (2 * norm + (attention + wide * hidden * ab) / tp + tables) * micro * seq
+    # an MoE block (moe_activation_bytes) keeps its router's, experts' and shared experts' tensors in its MLP's
+    # place (no tensor parallelism beside experts)
+    n_moe = min(shape.get("moe_blocks", 0), L)
+    moe = block - wide * hidden * ab * micro * seq + moe_activation_bytes(shape, micro * seq, ab, ep) if n_moe else 0
     loss = V * 4 / tp if tp > 1 else V * ab + 4
     end = (norm + loss) * micro * seq * shape.get("last", True)  # pp: only the last stage
     n_ckpt = round(checkpointed * L)
-    ckpt = d * rb / norm_split * micro * seq  # a checkpointed block's input
+    ckpt = moe_ckpt = d * rb / norm_split * micro * seq  # a checkpointed block's input
     if selective:  # the matmuls' outputs (qkv, proj, up (and gate), down) and the attention's, kept; the rest recomputed
         n_up = 2 if wide == 4 else 1
         saved = (d + 2 * kv + 2 * d + n_up * hidden) * ab
@@ -376,19 +405,30 @@ def activation_bytes(shape, micro, seq, act_bytes, tp=1, sequence_parallel=False
             saved += d * ab + 4 * heads
         ckpt += saved / tp * micro * seq
         block -= saved / tp * micro * seq
+        if n_moe:  # an MoE block's matmuls: the router's scores and the shared experts' MLP; its experts' grouped
+            # matmuls are recomputed with the rest
+            shared = shape["shared_hidden"]
+            saved_moe = saved - (d + n_up * hidden) * ab + shape["n_experts"] * ab + (n_up * shared + d) * ab * (
+                shared > 0)
+            moe_ckpt += saved_moe * micro * seq
+            moe -= saved_moe * micro * seq
     ids = 8 * micro * seq * (1 + ring_attention)  # the token ids the embedding keeps (int64); under cp its targets too
+    # checkpointing takes blocks of either kind alike (every_n: the mean block)
+    mean = ((L - n_moe) * block + n_moe * moe) / L if L else 0
+    mean_ckpt = ((L - n_moe) * ckpt + n_moe * moe_ckpt) / L if L else 0
     # recomputed at once: one block's tensors but its input, which it kept
-    return (L - n_ckpt) * block + n_ckpt * ckpt + end + ids, block - d * rb / norm_split * micro * seq if n_ckpt else 0
+    return (L - n_ckpt) * mean + n_ckpt * mean_ckpt + end + ids, \
+        max(block, moe) - d * rb / norm_split * micro * seq if n_ckpt else 0
 
 
 def cp_activation_bytes(shape, micro, seq, act_bytes, cp, method, tp=1, sequence_parallel=False, checkpointed=0.0,
-                        residual_bytes=4, selective=False):
+                        residual_bytes=4, selective=False, ep=1):
     """activation_bytes for one cp rank's seq/cp tokens (the ring saves what one process's attention does: q, k, v,
     output and its log-sum-exp, of its own tokens). The all-gather keeps the whole sequence's K and V for backward
     in every layer it doesn't recompute, 2 b (seq - seq/cp) d more than its own. Returns (kept, recomputed at
     once)."""
     kept, recompute = activation_bytes(shape, micro, seq // cp, act_bytes, tp, sequence_parallel, checkpointed,
-                                       residual_bytes, selective, ring_attention=cp > 1)
+                                       residual_bytes, selective, ring_attention=cp > 1, ep=ep)
     if cp > 1 and shape.get("n_head") and (act_bytes == 4 or checkpointed):
         # the RoPE tables' rows at the rank's positions (model.GPT.rope), float32, one copy every block's rotation
         # (or checkpoint) keeps
@@ -766,7 +806,7 @@ def _predict(cfg, layout, ac, shape, plan):
     residual = DTYPE_BYTES[knobs["param_dtype"]]
     selective = ac == "selective"
     kept, recompute = cp_activation_bytes(shape, t.micro_batch_size, t.seq_len, act_bytes, cp, method, tp,
-                                          knobs["sequence_parallel"], checkpointed, residual, selective)
+                                          knobs["sequence_parallel"], checkpointed, residual, selective, layout.ep)
     memory = {**state, "transient": transient_bytes(layout, shape, P - experts, accum, knobs),
               "activations": kept + recompute,
               "autocast copies": autocast_copy_bytes(shape, P, tp, checkpointed) if act_bytes == 2 and
