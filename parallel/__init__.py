@@ -109,14 +109,25 @@ class Parallelized:
         """The step's router statistics of every MoE block (model.py's MoE), summed over the data-parallel ranks:
         (blocks, n_experts + 2), each row the tokens given to each expert, then the dropped assignments and the
         summed balancing losses; None for a dense model. Moves router=bias's biases (the same on every rank, from
-        the same sums) and starts the next step's statistics. Left on the device: nothing waits for it."""
-        layers = self.module.moe_layers()
-        if not layers:
+        the same sums) and starts the next step's statistics. Left on the device: nothing waits for it.
+        Under a pipeline a rank holds its stages' blocks only: it puts their rows at their places among the whole
+        model's MoE blocks (zeros elsewhere), sums them over its stage's data-parallel ranks (each block's once: they
+        all hold it), then over pp, which only brings in the other stages' rows; every rank then has all of them."""
+        cfg = self.module.cfg
+        if not cfg.n_moe:
             return None
-        stats = torch.stack([torch.cat([m.load, m.dropped[None], m.aux[None]]) for m in layers])
-        if self.data_group is not None:
+        layers = self.module.moe_layers()
+        moe = [i for i in range(cfg.n_layer) if cfg.is_moe(i)]  # the model's MoE blocks, in block order
+        # this rank's MoE blocks (single's names: blocks.5 stays 5 in a stage), in the order moe_layers gives them
+        rows = [moe.index(i) for i in sorted(int(k) for k in self.module.blocks._modules) if cfg.is_moe(i)]
+        stats = torch.zeros(len(moe), cfg.n_experts + 2, device=self.device)
+        if layers:
+            stats[rows] = torch.stack([torch.cat([m.load, m.dropped[None], m.aux[None]]) for m in layers])
+        if self.data_group is not None and self.data_group.size() > 1:
             dist.all_reduce(stats, group=self.data_group)
-        for m, row in zip(layers, stats):
+        if self.pipeline is not None:
+            dist.all_reduce(stats, group=self.pipeline.group)
+        for m, row in zip(layers, stats[rows]):
             if m.rule == "bias":
                 m.update_bias(row[:m.n])
             m.reset_stats()

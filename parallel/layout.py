@@ -415,11 +415,14 @@ class Layout:
                     f"another model; use parallel.impl=scratch")
         for degree, why in (("tp", "tensor parallelism's plan splits the dense MLP's matrices, not the experts'"),
                             ("cp", "the balancing loss and the capacity are taken over each rank's own tokens, not "
-                                   "yet over the whole sequence's"),
-                            ("pp", "the router's statistics are not yet gathered from the pipeline's stages")):
+                                   "yet over the whole sequence's")):
             if getattr(self, degree) > 1:
                 return (f"model.n_experts={n} with parallel.{degree}={getattr(self, degree)}: not built yet ({why}); "
                         f"use parallel.{degree}=1")
+        if self.pp > 1 and self.impl == "torch":  # train.py scales the balancing loss's gradient as ours pipeline does
+            return (f"model.n_experts={n} with parallel.pp={self.pp} parallel.impl=torch: torch.distributed.pipelining "
+                    f"divides the gradients by the micro-batches itself, the balancing loss's too, which train.py "
+                    f"has already scaled (not wired); use parallel.impl=scratch")
         if ep == 1:
             return None
         if n % ep:

@@ -208,13 +208,13 @@ def clip_grad_norm(data, tp, mesh, max_norm, device, ep=ExpertParallel()):
     if ep.size > 1:  # the experts disjoint within the ep group (parallel/ep.py, step 5)
         pieces = data.grad_pieces()
         if data.grads_sharded:  # ZeRO's and FSDP's dense pieces disjoint over every rank (the default group: dp x
-            # cp, as experts run without tp and pp); each expert whole on its ep_replicate ranks (ZeRO) or sharded
-            # over them (FSDP)
+            # cp, as experts run without tp; every stage's too under a pipeline, each holding its own blocks); each
+            # expert whole on its ep_replicate ranks (ZeRO) or sharded over them (FSDP)
             copies = 1 if data.shards_experts else ep.replicate.size()
             return clip_shards([g for _, g in pieces], max_norm, None, device,
                                weights=[1 / copies if ep.expert(n) else 1.0 for n, _ in pieces])
-        # DDP: the dense gradients equal on every rank
-        return clip_shards([g for _, g in pieces], max_norm, ep.group, device,
+        # DDP: the dense gradients equal on every rank of a stage; under a pipeline the stages' squares add up too
+        return clip_shards([g for _, g in pieces], max_norm, ep.group if pp is None else (ep.group, pp), device,
                            weights=[1.0 if ep.expert(n) else 1 / ep.size for n, _ in pieces])
     if not data.grads_sharded and tp.size == 1:
         if pp is None:

@@ -1,7 +1,8 @@
 """Mixture of experts (model.py's MoE) and expert parallelism (parallel/ep.py): the MoE block against a token-by-token
 loop, capacity's drops against an independent count, the balancing loss against its formula (and its gradient
 against autograd's of the loss added), the statistics not counted twice under activation checkpointing; ep over
-DDP, ZeRO-1 and ZeRO-2, and an MoE under ZeRO and FSDP (ours and torch's) without ep, equal to parallel=single in
+DDP, ZeRO-1, ZeRO-2 and FSDP, an MoE under ZeRO and FSDP (ours and torch's) without ep and under pipeline
+parallelism (with ep inside each stage, and interleaved), equal to parallel=single in
 loss, grad_norm, val_loss, tokens per expert and final weights, their all-to-all bytes summed as theory has them and
 the planner's state and traffic; the refusals, in one line."""
 import math
@@ -144,6 +145,7 @@ def test_grouped_mm_equals_loop():
 MOE = ("model.n_experts=4", "model.top_k=2", "train.global_batch_size=8", "train.micro_batch_size=2",
        "train.max_steps=3", "train.eval_every=100", "checkpoint.keep=1")
 CAPACITY = ("model.capacity_factor=0.75",)  # at most 48 of a micro-batch's 256 assignments an expert: 64+ dropped
+PP_SHAPE = ("model.n_layer=4", "model.dense_layers=1", "model.router=bias")  # MoE blocks 1-3, not 0
 # name: (world, overrides). Over ours DDP: ep=2 and ep=4 over all the ranks; ep=2 on 4 ranks: two ep groups, each
 # expert held on two ranks (the replicate group its gradients are summed over); capacity: the drops under ep
 EP = {"ep2": (2, ["parallel=ddp", "parallel.ep=2"]), "ep2_capacity": (2, ["parallel=ddp", "parallel.ep=2", *CAPACITY]),
@@ -162,6 +164,14 @@ EP = {"ep2": (2, ["parallel=ddp", "parallel.ep=2"]), "ep2_capacity": (2, ["paral
       "zero2": (2, ["parallel=zero2"]), "fsdp": (2, ["parallel=fsdp"]),
       "fsdp_torch": (2, ["parallel=fsdp", "parallel.impl=torch"]), "zero1_torch_dp4": (4, ["parallel=zero1",
                                                                                            "parallel.impl=torch"]),
+      # under pipeline parallelism (each stage's MoE blocks, their router statistics gathered from every stage):
+      # pp=2 alone (one MoE block a stage); pp=2 x dp=2 with ep=2 inside each stage (1F1B); interleaved 1F1B over 4
+      # blocks, the first dense (rank 0 holds blocks 0 and 2, rank 1 blocks 1 and 3: its rows interleave in the
+      # model's order) with router=bias (each block's bias moved by its own whole-batch counts), its own reference
+      "pp2": (2, ["parallel=ddp", "parallel.pp=2"]),
+      "pp2_ep2_dp4": (4, ["parallel=ddp", "parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.ep=2"]),
+      "pp2_interleaved": (2, ["parallel=ddp", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
+                              "parallel.pp_virtual=2", *PP_SHAPE]),
       # under bf16 autocast: the rows go out in float32 (the residual stream's), the experts' outputs come back in
       # bf16 (the grouped matmul runs in the autocast dtype): the planner's count, not single's numbers
       "ep2_bf16": (2, ["parallel=ddp", "parallel.ep=2", "train.dtype=bfloat16"])}
@@ -184,7 +194,7 @@ def moe_single(tmp_path_factory):
     """The references, in this process: dropless, and with the capacity factor."""
     import train
     dirs = {}
-    for key, extra in (("dropless", ()), ("capacity", CAPACITY)):
+    for key, extra in (("dropless", ()), ("capacity", CAPACITY), ("pp_shape", PP_SHAPE)):
         dirs[key] = str(tmp_path_factory.mktemp(f"moe_single_{key}") / "run")
         train.run(make_cfg(*small_run(*MOE, *extra)), dirs[key])
     return dirs
@@ -209,7 +219,8 @@ def test_moe_layouts_equal_single_4(launch4, moe_single, name):
 
 def check_ep(launch, moe_single, name):
     world, run = EP[name][0], launch[__name__][0][name]
-    ref = moe_single["capacity" if name.endswith("capacity") else "dropless"]
+    ref = moe_single["capacity" if name.endswith("capacity") else "pp_shape" if name == "pp2_interleaved" else
+                     "dropless"]
     # grad_norm: single's is torch's clip_grad_norm_, whose float32 norm of a large tensor accumulates serially on
     # the CPU (1.6e-5 off float64 at 2M values, measured 2026-12-04); ep sums squares by pairwise sums
     assert_same_steps(run, ref, rtol={"loss": 1e-6, "grad_norm": 5e-5, "val_loss": 1e-6})
@@ -219,6 +230,8 @@ def check_ep(launch, moe_single, name):
     for key in ("moe_tokens_per_expert", "moe_dropped"):  # the routing itself, token counts and drops: exact
         assert [r[key] for r in got] == [r[key] for r in want], key
     assert all((r["moe_dropped"] > 0) == name.endswith("capacity") for r in got)
+    # every MoE block of the model on rank 0, a pipeline's other stages' too
+    assert all(len(r["moe_tokens_per_expert"]) == (3 if name == "pp2_interleaved" else 2) for r in got)
     for r in got:
         if "ep" in name:
             assert r["a2a_bytes_all_ranks"] == a2a_theory(r), r["a2a_bytes_all_ranks"] - a2a_theory(r)
@@ -250,14 +263,23 @@ def check_planner(name, world, got, dtype="float32"):
     p = plan.predict(cfg, layout)
     a2a = p["comm"].get(("ep", "all_to_all"), 0)
     with torch.device("meta"):
-        tensors = len(list(M.GPT(config.model_config(cfg, 512)).parameters()))
+        names = [n for n, _ in M.GPT(config.model_config(cfg, 512)).named_parameters()]
+    if layout.pp > 1:  # rank 0 is the first stage's (parallel/pp.py split): the planner's first pp rank, its tensors
+        from parallel.pp import split_blocks
+        p, n = p["pp_ranks"][0], layout.pp * cfg.parallel.pp_virtual if cfg.parallel.pp_schedule == \
+            "interleaved_1f1b" else layout.pp
+        mine = {f"blocks.{i}." for k in range(0, n, layout.pp) for i in split_blocks(cfg.model.n_layer, n)[k]}
+        names = [x for x in names if x.startswith("wte.") or any(x.startswith(b) for b in mine)]
+        a2a = p["comm"].get(("ep", "all_to_all"), 0)  # each stage's dp ranks send their MoE blocks' rows (alike)
+    tensors = len(names)
     for r in got:
         # AdamW's step counters, which the planner leaves out: one a tensor (a ZeRO or FSDP rank: one a segment it
         # owns, at most one a tensor)
         extra = r["state_bytes"] - p["state"]
-        assert extra == 4 * tensors if layout.strategy == "ddp" else 0 < extra <= 4 * tensors and extra % 4 == 0
+        whole = layout.strategy in ("ddp", "none")
+        assert extra == 4 * tensors if whole else 0 < extra <= 4 * tensors and extra % 4 == 0
         # exact but where a shard's padding or torch's DTensor norm (bytes the planner leaves out) add a little
-        exact = layout.strategy == "ddp" or layout.ep > 1 and layout.impl == "scratch"
+        exact = whole or layout.ep > 1 and layout.impl == "scratch"
         for (dim, kind), v in p["comm"].items():
             if kind != "all_to_all":
                 assert r[f"comm_{dim}_{kind}"] == (v if exact else pytest.approx(v, rel=1e-3)), (dim, kind)
@@ -281,6 +303,9 @@ def test_refusals(tmp_path):
     assert_refused(tmp_path, ["model.n_experts=4", "parallel=zero2", "parallel.ep=2", "parallel.param_dtype=bfloat16"],
                    2, "the experts stay out of ZeRO's buckets, whole and in float32")
     assert_refused(tmp_path, ["model.n_experts=4", "parallel=tp"], 2, "not built yet")
+    assert_refused(tmp_path, ["model.n_experts=4", "parallel=ddp", "parallel.cp=2"], 2, "not built yet")
+    assert_refused(tmp_path, ["model.n_experts=4", "parallel=ddp", "parallel.pp=2", "parallel.impl=torch"], 2,
+                   "divides the gradients by the micro-batches itself")
     assert_refused(tmp_path, ["model.n_experts=4", "parallel=zero2", "parallel.impl=deepspeed"], 2,
                    "DeepSpeed's MoE routes by its own gate")
 

@@ -560,6 +560,19 @@ def test_moe_activations_equal_planner(shape, modes):
         assert kept == pytest.approx(planned, rel=1e-6, abs=64), (ac, kept, planned)
 
 
+@pytest.mark.parametrize("model", ["deepseek_v3", "moe_tiny", "gpt_tiny"])
+def test_stages_add_up_to_the_model(model):
+    """pp_stages' shares of the model: parameters and FLOPs per token add up to the whole model's (an MoE's FLOPs
+    count each block's top_k experts, not all of them; its stages' MoE blocks and experts add up too)."""
+    s = plan.model_shape(make_cfg(f"model={model}", "train.seq_len=256"))
+    for pp, v in ((2, 1), (4, 1), (2, 2)):
+        stages = plan.pp_stages(s, pp, v)
+        assert sum(st["flops_per_token"] for st in stages) == pytest.approx(s["flops_per_token"], rel=1e-12)
+        assert sum(st["n_params"] for st in stages) == s["n_params"]
+        assert sum(st["moe_blocks"] for st in stages) == s["moe_blocks"]
+        assert sum(st["expert_params"] for st in stages) == pytest.approx(s["expert_params"])
+
+
 def test_long_context_plan():
     """gpt_1p3b at 32k tokens on 8 GPUs: the ranking covers cp layouts, and the configured one reports its balance
     and exposed ring time."""

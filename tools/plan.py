@@ -125,7 +125,10 @@ def model_shape(cfg):
             # widths, and whether the balancing loss runs
             "expert_hidden": c.expert_hidden if c.n_experts else 0,
             "shared_hidden": c.n_shared_experts * c.expert_hidden if c.n_experts else 0,
-            "aux_loss": bool(c.n_experts and c.router == "aux" and c.aux_loss_coef > 0)}
+            "aux_loss": bool(c.n_experts and c.router == "aux" and c.aux_loss_coef > 0),
+            # which blocks are MoE blocks, and each block's parameters: what a pipeline stage's share holds (pp_stages)
+            "moe_at": tuple(i for i in range(c.n_layer) if c.is_moe(i)),
+            "block_sizes": tuple(sum(p.numel() for p in b.parameters()) for b in gpt.blocks)}
 
 
 def dims(shape):
@@ -183,7 +186,8 @@ def comm_bytes(layout, P, accum, knobs=KNOBS, shape=None, micro=0, seq=0, act_by
     sequence on this rank (seq_len / cp), what tensor parallelism moves."""
     rb, pb = DTYPE_BYTES[knobs["reduce_dtype"]], DTYPE_BYTES[knobs["param_dtype"]]
     c, strategy = Counter(), layout.strategy
-    if layout.ep > 1:  # the rank's experts: reduced by parallel/ep.py (sharded by FSDP over ep_replicate)
+    # the rank's experts: reduced by parallel/ep.py (sharded by FSDP over ep_replicate); a dense stage has none
+    if layout.ep > 1 and shape.get("moe_blocks"):
         c.update(ep_comm_bytes(layout, shape, accum, micro, seq, rb, pb, act_bytes))
         experts = shape["expert_params"] / layout.ep
         P -= experts
@@ -283,10 +287,16 @@ def clip_comm(layout):
 def router_stats_comm(layout, shape):
     """The MoE blocks' router statistics (tokens per expert, dropped, the balancing loss: blocks x (E + 2) float32s),
     summed over the data-parallel ranks once a step (Parallelized.router_stats): a few bytes the step time leaves
-    out, as clip_comm's."""
-    if not shape.get("moe_blocks") or layout.reduce_ranks == 1:
+    out, as clip_comm's. Under a pipeline every rank sums the whole model's rows (its stage's, zeros elsewhere) over
+    its stage's data-parallel ranks, then over pp."""
+    blocks = shape.get("model_moe_blocks", shape.get("moe_blocks", 0))
+    if not blocks:
         return Counter()
-    return Counter({("dp", "all_reduce"): 2 * 4 * shape["moe_blocks"] * (shape["n_experts"] + 2)})
+    size = 2 * 4 * blocks * (shape["n_experts"] + 2)
+    c = Counter({("dp", "all_reduce"): size} if layout.reduce_ranks > 1 else {})
+    if layout.pp > 1:
+        c["pp", "all_reduce"] += size
+    return c
 
 
 def theory(data, n_params, world, reduce_bytes=4, accum=1):
@@ -679,16 +689,25 @@ def pp_stages(shape, pp, v=1):
     from parallel import pp as pipeline
     L, d, V = shape["n_layer"], shape["n_embd"], shape["vocab"]
     n, block = pp * v, dims(shape)[4]
-    attention = (shape["flops_per_token"] - 6 * (shape["n_params"] - V * d)) / L  # per block (model.py)
+    sizes = shape.get("block_sizes") or (block,) * L  # an MoE model's blocks differ: dense and MoE ones
+    moe_at, moe_blocks = shape.get("moe_at", ()), shape.get("moe_blocks", 0)
+    # an MoE block's routed experts a token does not pass through (all but top_k of them): no FLOPs
+    idle = shape["expert_params"] / moe_blocks * (1 - shape["top_k"] / shape["n_experts"]) if moe_blocks else 0
+    attention = (shape["flops_per_token"] - 6 * (shape["n_params"] - moe_blocks * idle - V * d)) / L  # per block
     ranges = pipeline.split_blocks(L, n)
     out = []
     for r in range(pp):
         ks = range(r, n, pp)
-        blocks, first, last = sum(len(ranges[k]) for k in ks), 0 in ks, n - 1 in ks
-        matmul = blocks * block + last * (V * d + d)  # the embedding is a lookup
+        mine = [i for k in ks for i in ranges[k]]
+        blocks, first, last = len(mine), 0 in ks, n - 1 in ks
+        matmul = sum(sizes[i] for i in mine) + last * (V * d + d)  # the embedding is a lookup
+        moe = sum(i in moe_at for i in mine)  # the stage's MoE blocks and their experts (each block's alike)
+        # "model_moe_blocks": the router statistics' rows every rank sums over pp (router_stats_comm)
         out.append({**shape, "n_layer": blocks, "first": first, "last": last, "n_params": matmul + first * V * d,
-                    "flops_per_token": 6 * matmul + blocks * attention,
-                    "boundaries": sum((k > 0) + (k < n - 1) for k in ks)})
+                    "flops_per_token": 6 * (matmul - moe * idle) + blocks * attention,
+                    "boundaries": sum((k > 0) + (k < n - 1) for k in ks),
+                    "moe_blocks": moe, "model_moe_blocks": moe_blocks,
+                    "expert_params": shape.get("expert_params", 0) * moe / moe_blocks if moe_blocks else 0})
     return out
 
 
