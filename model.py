@@ -368,6 +368,9 @@ class MoE(nn.Module):
     - `dispatch(tokens, counts)`: the experts' outputs for tokens sorted by expert, counts[e] of them for expert e.
       An attribute, so that expert parallelism can put its own in place (parallel/ep.py: an all-to-all to the ranks
       that hold the experts and back).
+    - `batch_counts(routed, tokens)`: the balancing loss's f_e is taken over the micro-batch's sequences whole: the
+      assignments per expert and the tokens they came from, this module's own by default. An attribute too: context
+      parallelism (parallel/cp.py) holds a piece of every sequence, and sums them over the ranks holding the rest.
     - For the training loop: `load` (tokens each expert was given since the last step, this rank's), `dropped`,
       `aux` (the summed balancing losses, detached), kept while training and not recomputing."""
 
@@ -383,6 +386,7 @@ class MoE(nn.Module):
         self.register_buffer("dropped", torch.zeros(()), persistent=False)
         self.register_buffer("aux", torch.zeros(()), persistent=False)
         self.dispatch = self.experts.__call__  # (a method, not the module again: it would be a second child)
+        self.batch_counts = lambda routed, tokens: (routed, tokens)
         self.aux_scale = 1.0
 
     def forward(self, x):
@@ -412,7 +416,10 @@ class MoE(nn.Module):
         if self.shared is not None:
             y = y + self.shared(x)
         if self.training and self.rule == "aux" and self.coef > 0:
-            f = routed.to(scores.dtype) / (x.size(0) * self.k)
+            # f over the whole sequences (batch_counts); P_e the mean over this module's tokens: where context
+            # parallelism holds equal pieces, the mean of the pieces' losses is the whole's, as the LM loss's is
+            everywhere, tokens = self.batch_counts(routed, x.size(0))
+            f = everywhere.to(scores.dtype) / (tokens * self.k)
             aux = self.n * (f * scores.mean(dim=0)).sum()
             y = AuxLoss.apply(y, aux, self.coef * self.aux_scale)
             self.keep(aux=aux)

@@ -54,7 +54,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from model import causal_attention
+from model import MoE, causal_attention
 from parallel import comm
 from parallel.layout import once_per_group
 
@@ -354,8 +354,17 @@ def apply_cp(model, mesh, p):
         method = RingAttention if p.cp_method == "ring" else AllGatherAttention
         return method.apply(q, k, v, group)
 
+    def batch_counts(routed, tokens):  # an MoE's routing counts over the whole sequences (model.py's MoE)
+        if not state["split"]:
+            return routed, tokens
+        routed = routed.clone()
+        dist.all_reduce(routed, group=group)
+        return routed, tokens * n
+
     for b in model.blocks:
         b.attn.attend = attend
+        if isinstance(b.mlp, MoE):
+            b.mlp.batch_counts = batch_counts
 
     def split(module, args, kwargs):
         idx, targets = args[0], args[1] if len(args) > 1 else kwargs.get("targets")

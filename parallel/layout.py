@@ -413,12 +413,13 @@ class Layout:
             return (f"model.n_experts={n} with parallel.impl=deepspeed: DeepSpeed's MoE routes by its own gate (top-1 "
                     f"or top-2, its capacity and token-dropping policy), not model.py's router, so it would train "
                     f"another model; use parallel.impl=scratch")
-        for degree, why in (("tp", "tensor parallelism's plan splits the dense MLP's matrices, not the experts'"),
-                            ("cp", "the balancing loss and the capacity are taken over each rank's own tokens, not "
-                                   "yet over the whole sequence's")):
-            if getattr(self, degree) > 1:
-                return (f"model.n_experts={n} with parallel.{degree}={getattr(self, degree)}: not built yet ({why}); "
-                        f"use parallel.{degree}=1")
+        if self.tp > 1:
+            return (f"model.n_experts={n} with parallel.tp={self.tp}: not built yet (tensor parallelism's plan splits "
+                    f"the dense MLP's matrices, not the experts'); use parallel.tp=1")
+        if self.cp > 1 and model.capacity_factor is not None:
+            return (f"model.capacity_factor={model.capacity_factor} with parallel.cp={self.cp}: an expert's capacity "
+                    f"keeps a micro-batch's earliest tokens, and context parallelism splits each sequence over ranks; "
+                    f"use model.capacity_factor=null (dropless) or parallel.cp=1")
         if self.pp > 1 and self.impl == "torch":  # train.py scales the balancing loss's gradient as ours pipeline does
             return (f"model.n_experts={n} with parallel.pp={self.pp} parallel.impl=torch: torch.distributed.pipelining "
                     f"divides the gradients by the micro-batches itself, the balancing loss's too, which train.py "

@@ -172,6 +172,11 @@ EP = {"ep2": (2, ["parallel=ddp", "parallel.ep=2"]), "ep2_capacity": (2, ["paral
       "pp2_ep2_dp4": (4, ["parallel=ddp", "parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.ep=2"]),
       "pp2_interleaved": (2, ["parallel=ddp", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
                               "parallel.pp_virtual=2", *PP_SHAPE]),
+      # beside context parallelism: the balancing loss's counts summed over the sequences' pieces (parallel/cp.py),
+      # ring and all-gather, with ep from the dp x cp ranks
+      "cp2": (2, ["parallel=ddp", "parallel.cp=2"]), "cp2_ep2": (2, ["parallel=ddp", "parallel.cp=2", "parallel.ep=2"]),
+      "fsdp_cp2_allgather": (2, ["parallel=fsdp", "parallel.cp=2", "parallel.cp_method=allgather"]),
+      "cp2_ep2_dp4": (4, ["parallel=ddp", "parallel.cp=2", "parallel.ep=2"]),
       # under bf16 autocast: the rows go out in float32 (the residual stream's), the experts' outputs come back in
       # bf16 (the grouped matmul runs in the autocast dtype): the planner's count, not single's numbers
       "ep2_bf16": (2, ["parallel=ddp", "parallel.ep=2", "train.dtype=bfloat16"])}
@@ -200,10 +205,12 @@ def moe_single(tmp_path_factory):
     return dirs
 
 
-def a2a_theory(record, n_moe=2, E=4, k=2, d=64, tokens=8 * 64, micro_batches=8 // 2):
+def a2a_theory(record, cp=1, n_moe=2, E=4, k=2, d=64, tokens=8 * 64, micro_batches=8 // 2):
     """parallel/ep.py's sum over all ranks of the bytes they send by all-to-all in a step: each MoE block, each
     micro-batch, every rank sends its E int64 counts; each kept assignment's row of d float32s goes out and back in
-    forward and both ways again in backward. `micro_batches`: over all ranks, global / micro batch, at any world."""
+    forward and both ways again in backward. `micro_batches`: over all ranks, global / micro batch, at any world;
+    each on cp ranks, every one of which sends its counts."""
+    micro_batches *= cp
     return n_moe * 8 * E * micro_batches + 4 * d * 4 * (n_moe * k * tokens - record["moe_dropped"])
 
 
@@ -230,11 +237,16 @@ def check_ep(launch, moe_single, name):
     for key in ("moe_tokens_per_expert", "moe_dropped"):  # the routing itself, token counts and drops: exact
         assert [r[key] for r in got] == [r[key] for r in want], key
     assert all((r["moe_dropped"] > 0) == name.endswith("capacity") for r in got)
+    # the balancing loss itself, over the whole batch (context parallelism's pieces summed: parallel/cp.py
+    # batch_counts; each piece's own f puts it 7e-4 off, measured 2026-12-06, against 1.2e-7 summed)
+    torch.testing.assert_close(torch.tensor([r["moe_aux_loss"] for r in got]),
+                               torch.tensor([r["moe_aux_loss"] for r in want]), rtol=1e-6, atol=0)
     # every MoE block of the model on rank 0, a pipeline's other stages' too
     assert all(len(r["moe_tokens_per_expert"]) == (3 if name == "pp2_interleaved" else 2) for r in got)
     for r in got:
         if "ep" in name:
-            assert r["a2a_bytes_all_ranks"] == a2a_theory(r), r["a2a_bytes_all_ranks"] - a2a_theory(r)
+            theory = a2a_theory(r, read_metrics(run)[0]["cp"])
+            assert r["a2a_bytes_all_ranks"] == theory, r["a2a_bytes_all_ranks"] - theory
         else:
             assert "a2a_bytes_all_ranks" not in r and "comm_ep_all_to_all" not in r
     if "torch" not in name:  # the planner's theory is ours: FSDP2 gathers less (3/4 of it here: it keeps the root
@@ -303,7 +315,8 @@ def test_refusals(tmp_path):
     assert_refused(tmp_path, ["model.n_experts=4", "parallel=zero2", "parallel.ep=2", "parallel.param_dtype=bfloat16"],
                    2, "the experts stay out of ZeRO's buckets, whole and in float32")
     assert_refused(tmp_path, ["model.n_experts=4", "parallel=tp"], 2, "not built yet")
-    assert_refused(tmp_path, ["model.n_experts=4", "parallel=ddp", "parallel.cp=2"], 2, "not built yet")
+    assert_refused(tmp_path, ["model.n_experts=4", "model.capacity_factor=1.0", "parallel=cp"], 2,
+                   "an expert's capacity keeps a micro-batch's earliest tokens")
     assert_refused(tmp_path, ["model.n_experts=4", "parallel=ddp", "parallel.pp=2", "parallel.impl=torch"], 2,
                    "divides the gradients by the micro-batches itself")
     assert_refused(tmp_path, ["model.n_experts=4", "parallel=zero2", "parallel.impl=deepspeed"], 2,

@@ -815,6 +815,9 @@ def _predict(cfg, layout, ac, shape, plan):
     if cp > 1:
         comm.update(cp_comm_bytes(shape, t.micro_batch_size, t.seq_len, act_bytes, accum, cp, method, tp,
                                   checkpointed))
+        if shape.get("moe_blocks") and shape.get("aux_loss"):  # the balancing loss's routing counts (E int64s) over
+            # the sequences' pieces, each MoE block and micro-step, again where a block is recomputed (parallel/cp.py)
+            comm["cp", "all_reduce"] += 2 * 8 * shape["n_experts"] * shape["moe_blocks"] * accum * (1 + checkpointed)
     clip = clip_comm(layout) + router_stats_comm(layout, shape)  # scalars: the step time leaves them out
     # what of comm is a mean over ranks: under sequence parallel each rank's ZeRO or FSDP shard holds its own piece of
     # the norm gains (none to all of them, by where the shard boundaries fall), whose gradients it sums over tp
@@ -840,7 +843,7 @@ def _predict(cfg, layout, ac, shape, plan):
     out = {"layout": layout, "pp": 1, "tp": tp, "dp": layout.dp, "cp": cp, "dp_shard": shard,
            "dp_replicate": n // shard, "accum": accum, "ac": ac,
            "params_per_rank": P, "state": sum(state.values()), "memory": memory, "total_memory": sum(memory.values()),
-           "comm": Counter({(dims.get(d, d), k): v for (d, k), v in comm.items()}) + clip,
+           "comm": Counter({(dims.get(d, d), k): v for (d, k), v in (comm + clip).items()}),
            # as parallel/comm.py's comm_bytes: collectives; the ring's sends and receives apart
            "comm_total": sum(v for (d, k), v in comm.items() if k != "p2p") + sum(clip.values()),
            "p2p_total": comm["cp", "p2p"],
