@@ -150,8 +150,9 @@ def _layout(par):
             out[name] = Entry(tuple(p.shape), tuple(p.shape), (0,) * p.dim(), [], [(p, 0)], dtensor=p)
             continue
         local_shape = par.data.shape(p)
-        shape, origin = par.tp.global_layout(name, p) if par.tp.size > 1 else par.ep.global_layout(name, p) \
-            if par.ep.expert(name) else (local_shape, (0,) * len(local_shape))
+        # an expert is whole over tp (parallel/tp.py) and split over ep
+        shape, origin = par.ep.global_layout(name, p) if par.ep.expert(name) else par.tp.global_layout(name, p) \
+            if par.tp.size > 1 else (local_shape, (0,) * len(local_shape))
         model_h, optim_h = par.data.holders(p)
         out[name] = Entry(shape, local_shape, origin, model_h, optim_h)
     return out

@@ -413,9 +413,12 @@ class Layout:
             return (f"model.n_experts={n} with parallel.impl=deepspeed: DeepSpeed's MoE routes by its own gate (top-1 "
                     f"or top-2, its capacity and token-dropping policy), not model.py's router, so it would train "
                     f"another model; use parallel.impl=scratch")
-        if self.tp > 1:
-            return (f"model.n_experts={n} with parallel.tp={self.tp}: not built yet (tensor parallelism's plan splits "
-                    f"the dense MLP's matrices, not the experts'); use parallel.tp=1")
+        if self.tp > 1 and (self.impl != "scratch" or p.sequence_parallel):
+            setting, why = (f"parallel.impl={self.impl}", "torch's plan (parallelize_module) knows the dense MLP only") \
+                if self.impl != "scratch" else ("parallel.sequence_parallel=true", "each rank would route its piece of "
+                                                "the sequence, its router's statistics summed over tp")
+            return (f"model.n_experts={n} with parallel.tp={self.tp} and {setting}: not built yet ({why}); an MoE "
+                    f"runs beside ours tp without sequence parallel, its routed experts whole on every tp rank")
         if self.cp > 1 and model.capacity_factor is not None:
             return (f"model.capacity_factor={model.capacity_factor} with parallel.cp={self.cp}: an expert's capacity "
                     f"keeps a micro-batch's earliest tokens, and context parallelism splits each sequence over ranks; "

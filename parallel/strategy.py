@@ -207,15 +207,19 @@ def clip_grad_norm(data, tp, mesh, max_norm, device, ep=ExpertParallel()):
         return sq.sqrt()
     if ep.size > 1:  # the experts disjoint within the ep group (parallel/ep.py, step 5)
         pieces = data.grad_pieces()
-        if data.grads_sharded:  # ZeRO's and FSDP's dense pieces disjoint over every rank (the default group: dp x
-            # cp, as experts run without tp; every stage's too under a pipeline, each holding its own blocks); each
-            # expert whole on its ep_replicate ranks (ZeRO) or sharded over them (FSDP)
+        # beside tensor parallelism (ours: the routed experts whole on every tp rank) a piece tp replicates counts
+        # 1/tp on each tp rank
+        over_tp = [1 / tp.size if tp.replicated(n) else 1.0 for n, _ in pieces]
+        if data.grads_sharded:  # ZeRO's and FSDP's dense pieces disjoint over every rank (the default group: every
+            # stage's too under a pipeline, each holding its own blocks); each expert whole on its ep_replicate ranks
+            # (ZeRO) or sharded over them (FSDP)
             copies = 1 if data.shards_experts else ep.replicate.size()
             return clip_shards([g for _, g in pieces], max_norm, None, device,
-                               weights=[1 / copies if ep.expert(n) else 1.0 for n, _ in pieces])
-        # DDP: the dense gradients equal on every rank of a stage; under a pipeline the stages' squares add up too
-        return clip_shards([g for _, g in pieces], max_norm, ep.group if pp is None else (ep.group, pp), device,
-                           weights=[1.0 if ep.expert(n) else 1 / ep.size for n, _ in pieces])
+                               weights=[w / copies if ep.expert(n) else w for (n, _), w in zip(pieces, over_tp)])
+        # DDP: the dense gradients equal on every rank of a stage: summed over the ep group, then over tp and pp
+        groups = (ep.group, *([mesh.get_group("tp")] if tp.size > 1 else []), *([pp] if pp is not None else []))
+        return clip_shards([g for _, g in pieces], max_norm, groups if len(groups) > 1 else ep.group, device,
+                           weights=[w if ep.expert(n) else w / ep.size for (n, _), w in zip(pieces, over_tp)])
     if not data.grads_sharded and tp.size == 1:
         if pp is None:
             return torch.nn.utils.clip_grad_norm_(params, max_norm)

@@ -13,6 +13,9 @@ Transformer Models" (sequence parallelism). `tp` ranks share every layer: each h
   head + loss column-parallel over the vocab; the cross-entropy is computed from the local logits with three
               reductions of per-token numbers (row max, sum of exps, target logit), never the full logits
   norm gains  replicated on every rank (they are tiny)
+  MoE block   (model.py's MoE) the shared experts split as the MLP; the router and the routed experts whole on every
+              rank, which all route the same tokens: nothing to reduce after them (and under parallel/ep.py each tp
+              rank runs its own all-to-all with the ep peers of its tp coordinate)
 
 A column-parallel layer followed by a row-parallel one needs its input replicated and leaves partial sums:
 Megatron's two conjugate operators make that exact with one all-reduce each way per pair:
@@ -42,11 +45,15 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model import MoE
 from parallel import comm
 from parallel.strategy import TensorParallel, materialize
 
-COLUMN = ("attn.qkv.weight", "attn.qkv.bias", "mlp.gate.weight", "mlp.up.weight", "head.weight", "wte.weight")
-ROW = ("attn.proj.weight", "mlp.down.weight")
+# an MoE block's shared experts (model.py's MoE.shared, an MLP) split as the dense MLP; its router and routed experts
+# stay whole on every tp rank
+COLUMN = ("attn.qkv.weight", "attn.qkv.bias", "mlp.gate.weight", "mlp.up.weight", "shared.gate.weight",
+          "shared.up.weight", "head.weight", "wte.weight")
+ROW = ("attn.proj.weight", "mlp.down.weight", "shared.down.weight")
 
 
 def shard_dim(name):
@@ -201,7 +208,10 @@ def shard(model, group, sequence_parallel=False):
     # one f before each column-parallel group (attention: qkv; MLP: up and gate; head) and one g after each row-parallel
     # layer; positional args only, as model.py calls them
     for block in model.blocks:
-        for m in (block.attn, block.mlp):
+        # an MoE block: f and g around its shared experts only; its router and routed experts run whole on every
+        # rank's (identical) tokens, so their output is complete as it is (and their gradients equal on every rank)
+        mlp = block.mlp.shared if isinstance(block.mlp, MoE) else block.mlp
+        for m in (block.attn, mlp) if mlp is not None else (block.attn,):
             m.register_forward_pre_hook(lambda m, args: (enter.apply(args[0], group),) + args[1:])
             m.register_forward_hook(lambda m, args, out: leave.apply(out, group))
     if model.head is not None:  # and the head and loss only if it is the last

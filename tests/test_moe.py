@@ -177,6 +177,11 @@ EP = {"ep2": (2, ["parallel=ddp", "parallel.ep=2"]), "ep2_capacity": (2, ["paral
       "cp2": (2, ["parallel=ddp", "parallel.cp=2"]), "cp2_ep2": (2, ["parallel=ddp", "parallel.cp=2", "parallel.ep=2"]),
       "fsdp_cp2_allgather": (2, ["parallel=fsdp", "parallel.cp=2", "parallel.cp_method=allgather"]),
       "cp2_ep2_dp4": (4, ["parallel=ddp", "parallel.cp=2", "parallel.ep=2"]),
+      # beside tensor parallelism (ours, no sequence parallel): the routers and routed experts whole on every tp
+      # rank, the shared experts split; alone, under FSDP x TP, and with ep=2 over DDP and ZeRO-2 (tp x dp x ep)
+      "tp2": (2, ["parallel=tp"]), "fsdp_tp2_dp4": (4, ["parallel=fsdp", "parallel.tp=2"]),
+      "tp2_ep2_dp4": (4, ["parallel=ddp", "parallel.tp=2", "parallel.ep=2"]),
+      "zero2_tp2_ep2_dp4": (4, ["parallel=zero2", "parallel.tp=2", "parallel.ep=2"]),
       # under bf16 autocast: the rows go out in float32 (the residual stream's), the experts' outputs come back in
       # bf16 (the grouped matmul runs in the autocast dtype): the planner's count, not single's numbers
       "ep2_bf16": (2, ["parallel=ddp", "parallel.ep=2", "train.dtype=bfloat16"])}
@@ -205,13 +210,14 @@ def moe_single(tmp_path_factory):
     return dirs
 
 
-def a2a_theory(record, cp=1, n_moe=2, E=4, k=2, d=64, tokens=8 * 64, micro_batches=8 // 2):
+def a2a_theory(record, cp=1, tp=1, n_moe=2, E=4, k=2, d=64, tokens=8 * 64, micro_batches=8 // 2):
     """parallel/ep.py's sum over all ranks of the bytes they send by all-to-all in a step: each MoE block, each
     micro-batch, every rank sends its E int64 counts; each kept assignment's row of d float32s goes out and back in
     forward and both ways again in backward. `micro_batches`: over all ranks, global / micro batch, at any world;
-    each on cp ranks, every one of which sends its counts."""
+    each on cp ranks, every one of which sends its counts; and every tp rank, which routes the same tokens, sends
+    all of it again (parallel/tp.py: the routed experts run whole on each)."""
     micro_batches *= cp
-    return n_moe * 8 * E * micro_batches + 4 * d * 4 * (n_moe * k * tokens - record["moe_dropped"])
+    return tp * (n_moe * 8 * E * micro_batches + 4 * d * 4 * (n_moe * k * tokens - record["moe_dropped"]))
 
 
 @pytest.mark.parametrize("name", [n for n in PROVEN if EP[n][0] == 2])
@@ -245,7 +251,7 @@ def check_ep(launch, moe_single, name):
     assert all(len(r["moe_tokens_per_expert"]) == (3 if name == "pp2_interleaved" else 2) for r in got)
     for r in got:
         if "ep" in name:
-            theory = a2a_theory(r, read_metrics(run)[0]["cp"])
+            theory = a2a_theory(r, read_metrics(run)[0]["cp"], read_metrics(run)[0]["tp"])
             assert r["a2a_bytes_all_ranks"] == theory, r["a2a_bytes_all_ranks"] - theory
         else:
             assert "a2a_bytes_all_ranks" not in r and "comm_ep_all_to_all" not in r
@@ -314,7 +320,10 @@ def test_refusals(tmp_path):
                    "runs beside ours DDP, ZeRO-1, ZeRO-2 and FSDP")
     assert_refused(tmp_path, ["model.n_experts=4", "parallel=zero2", "parallel.ep=2", "parallel.param_dtype=bfloat16"],
                    2, "the experts stay out of ZeRO's buckets, whole and in float32")
-    assert_refused(tmp_path, ["model.n_experts=4", "parallel=tp"], 2, "not built yet")
+    assert_refused(tmp_path, ["model.n_experts=4", "parallel=tp", "parallel.sequence_parallel=true"], 2,
+                   "parallel.sequence_parallel=true: not built yet")
+    assert_refused(tmp_path, ["model.n_experts=4", "parallel=tp", "parallel.impl=torch"], 2,
+                   "parallel.impl=torch: not built yet")
     assert_refused(tmp_path, ["model.n_experts=4", "model.capacity_factor=1.0", "parallel=cp"], 2,
                    "an expert's capacity keeps a micro-batch's earliest tokens")
     assert_refused(tmp_path, ["model.n_experts=4", "parallel=ddp", "parallel.pp=2", "parallel.impl=torch"], 2,

@@ -146,10 +146,12 @@ def params_per_rank(shape, tp, ep=1):
     width and f SwiGLU's hidden units (model_shape counts the model itself). Tensor parallelism splits every matrix over tp ranks (heads, MLP columns, vocab rows)
     and keeps the (2L + 1) d norm gains whole on each. A pipeline stage's shape (pp_stages): its L blocks, and the
     final norm only on the last stage. Expert parallelism keeps 1/ep of the routed experts on a rank
-    (parallel/ep.py)."""
+    (parallel/ep.py); tensor parallelism splits none of them, nor the routers (parallel/tp.py: they run whole on
+    every tp rank), only an MoE block's shared experts."""
     replicated = (2 * shape["n_layer"] + shape.get("last", True)) * shape["n_embd"]
     routed = shape.get("expert_params", 0)
-    return (shape["n_params"] - routed + routed / ep - replicated) / tp + replicated
+    routers = shape.get("moe_blocks", 0) * shape.get("n_experts", 0) * shape["n_embd"]
+    return (shape["n_params"] - routed - routers - replicated) / tp + replicated + routers + routed / ep
 
 
 # --- the theory of each strategy: state and communication, keyed by the Layout's fields (layout.strategy: the data
@@ -253,8 +255,11 @@ def tp_comm_bytes(shape, micro, seq, act_bytes, accum, sequence_parallel, stream
     L, d = shape["n_layer"], shape["n_embd"]
     first, last = shape.get("first", True), shape.get("last", True)
     n = micro * seq * d  # elements of one activation tensor of the micro-batch
+    # the f/g pairs: attention's and the MLP's in each block, an MoE block's only where it has shared experts (its
+    # routed ones run whole on every tp rank)
+    pairs = 2 * L - (shape.get("moe_blocks", 0) if not shape.get("shared_hidden") else 0)
     # all-reduces count 2x
-    acts = accum * 2 * n * (2 * L * act_bytes + (2 * L + first + last) * (stream_bytes or act_bytes))
+    acts = accum * 2 * n * (pairs * act_bytes + (pairs + first + last) * (stream_bytes or act_bytes))
     c = Counter()
     if sequence_parallel:
         c["tp", "all_gather"] += acts / 2
@@ -343,7 +348,7 @@ def checkpointed_fraction(mode, n_layer, every=1):
     return {"none": 0, "full": 1, "selective": 1, "every_n": math.ceil(n_layer / every) / n_layer}[mode]
 
 
-def moe_activation_bytes(shape, tokens, act_bytes, ep=1):
+def moe_activation_bytes(shape, tokens, act_bytes, ep=1, tp=1):
     """What an MoE block (model.py's MoE) keeps for backward in its MLP's place, over `tokens` tokens, for dropless
     balanced routing (each of the k n assignments kept; under ep each rank receives as many rows as it sends),
     per token:
@@ -353,13 +358,14 @@ def moe_activation_bytes(shape, tokens, act_bytes, ep=1):
         rows that arrive (16 k more)
       the experts: the MLP's wide tensors over the k rows (k f x 4 SwiGLU, x 2 GELU; f each expert's width)
       the combine: the experts' outputs, twice (the product with the gates, and the scatter's), the gates (k)
-      the shared experts: a dense MLP's wide tensors at their width
+      the shared experts: a dense MLP's wide tensors at their width (split over tp; the rest is whole on every tp
+        rank: parallel/tp.py)
     and per block: each grouped matmul's int32 offsets over the rank's experts, the balancing loss's f (4 E).
     (Under autocast the grouped matmuls' bf16 copies of the experts' weights are kept too: autocast_copy_bytes'.)"""
     E, k, d, f = shape["n_experts"], shape["top_k"], shape["n_embd"], shape["expert_hidden"]
     wide, ab = dims(shape)[3], act_bytes
     per_token = (4 * E + 12 * k + 4 + 16 * k + k * d * ab + k * f * wide * ab + k * (2 * d + 1) * ab
-                 + shape["shared_hidden"] * wide * ab + (16 * k if ep > 1 else 0))
+                 + shape["shared_hidden"] * wide * ab / tp + (16 * k if ep > 1 else 0))
     return per_token * tokens + 4 * E // ep * (wide - 1) + 4 * E * shape["aux_loss"]
 
 
@@ -403,7 +409,8 @@ def activation_bytes(shape, micro, seq, act_bytes, tp=1, sequence_parallel=False
     # an MoE block (moe_activation_bytes) keeps its router's, experts' and shared experts' tensors in its MLP's
     # place (no tensor parallelism beside experts)
     n_moe = min(shape.get("moe_blocks", 0), L)
-    moe = block - wide * hidden * ab * micro * seq + moe_activation_bytes(shape, micro * seq, ab, ep) if n_moe else 0
+    moe = block - wide * hidden * ab / tp * micro * seq + moe_activation_bytes(shape, micro * seq, ab, ep, tp) \
+        if n_moe else 0
     loss = V * 4 / tp if tp > 1 else V * ab + 4
     end = (norm + loss) * micro * seq * shape.get("last", True)  # pp: only the last stage
     n_ckpt = round(checkpointed * L)
