@@ -172,6 +172,11 @@ EP = {"ep2": (2, ["parallel=ddp", "parallel.ep=2"]), "ep2_capacity": (2, ["paral
       "pp2_ep2_dp4": (4, ["parallel=ddp", "parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.ep=2"]),
       "pp2_interleaved": (2, ["parallel=ddp", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
                               "parallel.pp_virtual=2", *PP_SHAPE]),
+      # the other schedules, and ZeRO-2 and FSDP with ep inside each stage
+      "pp2_gpipe": (2, ["parallel=ddp", "parallel.pp=2", "parallel.pp_schedule=gpipe"]),
+      "pp2_zero_bubble": (2, ["parallel=ddp", "parallel.pp=2", "parallel.pp_schedule=zero_bubble"]),
+      "zero2_pp2_ep2_dp4": (4, ["parallel=zero2", "parallel.pp=2", "parallel.ep=2"]),
+      "fsdp_pp2_ep2_dp4": (4, ["parallel=fsdp", "parallel.pp=2", "parallel.ep=2"]),
       # beside context parallelism: the balancing loss's counts summed over the sequences' pieces (parallel/cp.py),
       # ring and all-gather, with ep from the dp x cp ranks
       "cp2": (2, ["parallel=ddp", "parallel.cp=2"]), "cp2_ep2": (2, ["parallel=ddp", "parallel.cp=2", "parallel.ep=2"]),
