@@ -213,7 +213,7 @@ class Layout:
         working weights under bf16 autocast, every matmul casts its weight to bf16 and autograd keeps that copy
         until backward: under FSDP a bf16 copy of the whole model builds up on every rank, and 16P/N no longer
         holds. Under expert parallelism `auto` is float32 beside ZeRO: the experts stay out of its buckets, with no
-        working copy (parallel/zero.py); FSDP gathers them in param_dtype as any unit.""" 
+        working copy (parallel/zero.py); FSDP gathers them in param_dtype as any unit."""
         if param_dtype != "auto":
             return param_dtype
         copy = self.data in WORKING_COPY[self.impl] and (self.ep == 1 or self.data == "fsdp")

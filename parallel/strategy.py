@@ -218,7 +218,7 @@ def clip_grad_norm(data, tp, mesh, max_norm, device, ep=ExpertParallel()):
                                weights=[w / copies if ep.expert(n) else w for (n, _), w in zip(pieces, over_tp)])
         # DDP: the dense gradients equal on every rank of a stage: summed over the ep group, then over tp and pp
         groups = (ep.group, *([mesh.get_group("tp")] if tp.size > 1 else []), *([pp] if pp is not None else []))
-        return clip_shards([g for _, g in pieces], max_norm, groups if len(groups) > 1 else ep.group, device,
+        return clip_shards([g for _, g in pieces], max_norm, groups, device,
                            weights=[w if ep.expert(n) else w / ep.size for (n, _), w in zip(pieces, over_tp)])
     if not data.grads_sharded and tp.size == 1:
         if pp is None:
