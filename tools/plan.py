@@ -53,6 +53,7 @@ from collections import Counter
 import torch
 
 import config
+from tools import step_time as step_time_model
 from parallel.layout import DATA_STRATEGIES, Layout
 from data import prepare
 from model import GPT, GPU_CHUNK_BYTES
@@ -80,6 +81,7 @@ GPUS = {"h100": {"peak": 989e12, "memory": 80e9, "hbm": 3.35e12, "nvlink": 450e9
         "b200": {"peak": 2250e12, "memory": 180e9, "hbm": 8e12, "nvlink": 900e9, "pcie": 64e9},
         "mi300x": {"peak": 1307e12, "memory": 192e9, "hbm": 5.3e12, "nvlink": 448e9, "pcie": 64e9},
         "l40s": {"peak": 362e12, "memory": 48e9, "hbm": 0.864e12, "nvlink": None, "pcie": 32e9}}
+DEVICES = (*GPUS, "cpu")  # plan.gpu: a GPU above, or this machine's CPU (tools/step_time.py measures it)
 LINKS = ("nvlink", "pcie")  # within a node, at the GPU's own rate above
 # Between nodes, per GPU, each way: NDR InfiniBand, 400 Gb/s per port (NVIDIA ConnectX-7 datasheet), one port per
 # GPU as in a DGX H100: 50 GB/s
@@ -577,6 +579,24 @@ def autocast_copy_bytes(shape, P, tp, checkpointed=0.0):
 
 
 # --- time
+def spec(plan):
+    """plan.gpu's row of GPUS; for plan.gpu=cpu, this machine's, from tools/step_time.py's measurements: the best
+    float32 matmul rate of one core as its peak, the memory a rank gets (the machine's, shared by the ranks of a
+    node), a copy's bandwidth, and gloo's all-reduce rate between its processes as its link."""
+    if plan.gpu != "cpu":  # a GPU the table lacks: the nearest one's row with its own datasheet's figures over it
+        row = dict(GPUS[plan.gpu])
+        for key, setting, unit in (("peak", "peak_tflops", 1e12), ("hbm", "hbm_tbps", 1e12),
+                                   ("memory", "memory_gb", 1e9)):
+            if plan.get(setting):
+                row[key] = plan[setting] * unit
+        return row
+    profile = step_time_model.cpu_profile()
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    link = profile["gloo"]["2"]["all_reduce"][1]
+    return {"peak": max(r[3] for r in profile["matmul"]["4"]), "memory": ram / min(plan.world, plan.gpus_per_node),
+            "hbm": 2 / profile["elementwise"]["4"]["copy"] * 4, "nvlink": link, "pcie": link}
+
+
 def group_spans(layout, plan):
     """{dim: ranks of its group in each node it spans, or None where the group lies within one node}, for one
     pipeline stage's ranks (all of them without pp; a stage's ranks are neighbours, pp being outermost). The mesh is
@@ -599,7 +619,7 @@ def bandwidths(layout, plan):
     the group's GPUs in each node (one per GPU): k GPUs per node give k x NIC bandwidth, capped by the in-node link
     (a hierarchical ring: reduce-scatter within the node, then across nodes, 1/k of it per NIC). HSDP's dp_replicate
     groups hold one GPU per node when dp_shard is a node: one NIC's rate each."""
-    intra = GPUS[plan.gpu][plan.link]
+    intra = spec(plan)[plan.link]
     return {dim: intra if k is None else min(intra, k * NETWORKS[plan.network])
             for dim, k in group_spans(layout, plan).items()}
 
@@ -610,10 +630,13 @@ def crosses_nodes(comm, layout, plan):
     return sum(v for (dim, _), v in comm.items() if spans.get(dim) is not None)
 
 
-def step_time(layout, shape, accum, micro, seq, comm, knobs, checkpointed, plan, act_bytes=2):
-    """(seconds per optimizer step, {what: seconds}). Compute: FLOPs of the rank's share at compute_efficiency x
-    peak; forward 1/3, backward 2/3 of 6N + attention (model.flops_per_token), plus the forward of the blocks
-    activation checkpointing recomputes. A collective of `counted` bytes over n ranks takes
+def step_time(layout, shape, accum, micro, seq, comm, knobs, ac, checkpointed, plan, act_bytes=2, compiled=False):
+    """(seconds per optimizer step, {what: seconds}). Compute (compute_time): the operations of the rank's share of
+    each micro-step priced on the device (tools/step_time.py: matmuls by shape, attention by its kernel, element-wise
+    work by its bytes, eager PyTorch's host time per op), what activation checkpointing recomputes (full: the
+    blocks' forward; selective: their element-wise ops), the optimizer's step over the parameters the rank owns and
+    the gradients' accumulation; or, where plan.compute_efficiency is set, 6N + attention FLOPs
+    (model.flops_per_token) at that fraction of the peak, forward 1/3 and backward 2/3. A collective of `counted` bytes over n ranks takes
     counted x (n-1)/n / (bandwidth x link_efficiency): a ring all-gather sends (n-1)/n of its output from each rank,
     a ring reduce-scatter (n-1)/n of its input, a ring all-reduce 2 (n-1)/n of its tensor (counted twice), so one
     formula serves all three (nccl-tests' "bus bandwidth"). Latency is left out: large messages. Overlap:
@@ -632,23 +655,35 @@ def step_time(layout, shape, accum, micro, seq, comm, knobs, checkpointed, plan,
                      of a rank's rows to each peer, over the node's link to those in its node and its own NIC to
                      the others; the experts' all-reduce over ep_replicate follows backward, exposed
     Under cp, "dp" is the dp x cp ranks the gradients are reduced over. Under pp, `layout`'s numbers are one
-    stage's."""
+    stage's. On a CPU (plan.gpu=cpu) the collectives are gloo's between processes of the machine at the rates
+    measured for each; they run on the cores that compute, so none is hidden."""
     tp, cp, shard, dp_cp = layout.tp, layout.cp, layout.shard_ranks, layout.reduce_ranks
     strategy, cp_method = layout.strategy, knobs["cp_method"]
-    rate = GPUS[plan.gpu]["peak"] * plan.compute_efficiency
-    fwd = shape["flops_per_token"] * micro * seq / cp / tp / 3 / rate
-    bwd = (2 + checkpointed) * fwd
+    dev = step_time_model.device(plan)
+    fwd, bwd, recompute, optimizer = compute_time(layout, shape, accum, micro, seq, knobs, ac, checkpointed, plan,
+                                                  dev, act_bytes, compiled)
     bw = bandwidths(layout, plan)
     ep = layout.ep
     size = {"dp": dp_cp, "tp": tp, "cp": cp, "dp_shard": shard, "dp_replicate": dp_cp // shard, "ep": ep,
             "ep_replicate": dp_cp // ep}
     link = {k: bw[k] * plan.link_efficiency for k in bw}
+    if isinstance(dev, step_time_model.CPU):  # gloo, every collective exposed
+        t = Counter({k: dev.collective_s("all_gather" if k[1] in ("p2p", "all_to_all") else k[1],
+                                         v / 2 if k[1] == "p2p" else v, max(2, size[k[0]]),
+                                         collective_calls(k, layout, shape, accum, knobs))
+                     for k, v in comm.items()})
+        if layout.world > 1:  # the step's scalars: the loss's mean and the gradient norm, all-reduced
+            t["world", "scalars"] = dev.collective_s("all_reduce", 16, layout.world, calls=2)
+        compute = accum * (fwd + bwd + recompute) + optimizer
+        exposed = sum(t.values())
+        return compute + exposed, {"compute": compute, "exposed comm": exposed, "exposed cp": 0.0,
+                                   "comm": exposed, "each": t, "optimizer": optimizer}
     # a p2p hop sends and receives at once: counted twice, it takes bytes / 2 over the link one way
     t = Counter({k: v / 2 / link[k[0]] if k[1] == "p2p" else v * (size[k[0]] - 1) / size[k[0]] / link[k[0]]
                  for k, v in comm.items()})
     if ("ep", "all_to_all") in comm:  # counted: each call's input, 1/ep of it to each peer while as much arrives
         near = group_spans(layout, plan)["ep"] or ep  # the group's GPUs in this rank's node
-        intra, nic = GPUS[plan.gpu][plan.link], NETWORKS[plan.network]
+        intra, nic = spec(plan)[plan.link], NETWORKS[plan.network]
         t["ep", "all_to_all"] = comm["ep", "all_to_all"] / ep * ((near - 1) / intra + (ep - near) / nic) \
             / plan.link_efficiency
     exposed = t["tp", "all_reduce"] + t["tp", "all_gather"] + t["tp", "reduce_scatter"]
@@ -656,7 +691,11 @@ def step_time(layout, shape, accum, micro, seq, comm, knobs, checkpointed, plan,
     exposed_cp = 0.0
     if cp > 1 and cp_method == "ring":
         L, chunk = shape["n_layer"], seq // (2 * cp)
-        block = 4 * micro * (shape["n_embd"] / tp) * 2 * chunk * chunk / rate  # QK^T and PV of a 2C x C block
+        # QK^T and PV of a 2C x C block
+        flops = 4 * micro * (shape["n_embd"] / tp) * 2 * chunk * chunk
+        block = (flops / (spec(plan)["peak"] * plan.compute_efficiency) if plan.compute_efficiency else
+                 dev.attention_s(flops, 2 * chunk, shape["n_embd"] // shape["n_head"], shape["n_head"] // tp,
+                                 act_bytes, False))
         tokens = micro * 2 * chunk * dims(shape)[1] / tp  # K and V: the key/value heads
         hop = 2 * tokens * act_bytes / link["cp"]
         hop_grad = 2 * tokens * 4 / link["cp"]
@@ -681,9 +720,53 @@ def step_time(layout, shape, accum, micro, seq, comm, knobs, checkpointed, plan,
         else:
             exposed += accum * max(0.0, fwd_gather - fwd) + (accum - 1) * max(0.0, bwd_gather - bwd) \
                 + max(0.0, bwd_gather + reduce - bwd)
-    compute = accum * (fwd + bwd)
+    compute = accum * (fwd + bwd + recompute) + optimizer
     return compute + exposed, {"compute": compute, "exposed comm": exposed, "exposed cp": exposed_cp,
-                               "comm": sum(t.values()), "each": t}
+                               "comm": sum(t.values()), "each": t, "optimizer": optimizer}
+
+
+def collective_calls(key, layout, shape, accum, knobs, bucket=25 * 2 ** 20):
+    """How many collectives of `key` (dim, collective) a step makes, for their latency (on a CPU): tensor
+    parallelism's two all-reduces per block forward and two backward, and the embedding's and the loss's, each
+    micro-step; FSDP's gathers per unit (a block each, and the root) and micro-step (twice with
+    reshard_after_forward), a reduce-scatter per unit; otherwise buckets of 25 MiB."""
+    dim, kind = key
+    L = shape["n_layer"]
+    if dim == "tp":
+        return accum * (4 * L + 4)
+    if layout.strategy == "fsdp" and dim in ("dp", "dp_shard"):
+        return (L + 1) * (accum * (1 + knobs["reshard_after_forward"]) if kind == "all_gather" else 1)
+    return 1
+
+
+def compute_time(layout, shape, accum, micro, seq, knobs, ac, checkpointed, plan, dev, act_bytes, compiled):
+    """(forward, backward and recomputation of one micro-step, the optimizer's step), seconds, on one rank of
+    `layout` (under pp, its stage's share: `shape`), from the ops of tools/step_time.py on `dev`."""
+    tp, cp, L = layout.tp, layout.cp, shape["n_layer"]
+    tokens = micro * seq // cp
+    if plan.compute_efficiency:  # the stated fraction of peak, on 6N + attention FLOPs
+        fwd = shape["flops_per_token"] * tokens / tp / 3 / (spec(plan)["peak"] * plan.compute_efficiency)
+        return fwd, 2 * fwd, (0.0 if ac == "selective" else checkpointed * fwd), 0.0
+    autocast = act_bytes == 2 and knobs["param_dtype"] == "float32"
+    residual = DTYPE_BYTES[knobs["param_dtype"]] if act_bytes == 2 else 4
+    moe = shape.get("moe_blocks", 0)
+    ops = lambda is_moe: step_time_model.block_ops(shape, tokens, seq, tp, is_moe, layout.ep, autocast)  # noqa
+    blocks = ops(False) * (L - moe) + (ops(True) * moe if moe else [])
+    head = step_time_model.head_ops(shape, tokens, tp, autocast) if shape.get("last", True) else []
+    forward = blocks + head
+    run = lambda o: dev.time(o, act_bytes, residual, compiled)  # noqa: E731
+    fwd, bwd = run(forward), run(step_time_model.backward(forward))
+    if ac == "selective":  # the element-wise ops again
+        recompute = checkpointed * run([o for o in blocks if o[0] == "elementwise"])
+    else:
+        recompute = checkpointed * run(blocks)
+    P = params_per_rank(shape, tp, layout.ep)
+    owned = P / layout.shard_ranks if layout.strategy in ("zero1", "zero2", "fsdp") else P
+    optimizer = run([("elementwise", "adamw", owned), ("elementwise", "add", (accum - 1) * P)])
+    if dev.cores:  # a CPU's ranks on one machine share its cores
+        slow = dev.shared(min(layout.world, plan.gpus_per_node))
+        fwd, bwd, recompute, optimizer = (x * slow for x in (fwd, bwd, recompute, optimizer))
+    return fwd, bwd, recompute, optimizer
 
 
 # --- pipeline parallel
@@ -731,7 +814,7 @@ def pp_bandwidth(world, plan):
     """Bytes/s each way of a pipeline hop: the mesh has pp outermost, a pp group's ranks world / pp apart, so on
     more than one node some hop crosses the network (each GPU its own NIC: one activation per hop), and the slowest
     hop paces the pipeline."""
-    intra = GPUS[plan.gpu][plan.link]
+    intra = spec(plan)[plan.link]
     return intra if world <= plan.gpus_per_node else min(intra, NETWORKS[plan.network])
 
 
@@ -785,8 +868,8 @@ def pp_predict(cfg, layout, ac, shape, plan):
                    time={**ranks[largest]["time"], "compute": compute, "bubble": span - compute,
                          "exposed comm": exposed, "exposed p2p": exposed_p2p, "each": each,
                          "comm": sum(each.values())},
-                   mfu=shape["flops_per_token"] * tokens / seconds / (GPUS[plan.gpu]["peak"] * world),
-                   fits=out["total_memory"] <= plan.usable_memory * GPUS[plan.gpu]["memory"],
+                   mfu=shape["flops_per_token"] * tokens / seconds / (spec(plan)["peak"] * world),
+                   fits=out["total_memory"] <= plan.usable_memory * spec(plan)["memory"],
                    crosses_nodes=out["crosses_nodes"] + (out["p2p_total"] if world > plan.gpus_per_node else 0))
     return out
 
@@ -858,20 +941,18 @@ def _predict(cfg, layout, ac, shape, plan):
     if cp > 1:
         out["balance"] = cp_balance(t.seq_len, cp)
     if plan is not None:
-        # selective recomputes memory-bound ops only, which the time model leaves out (under cp the ring's
-        # attention runs again too: left out as well)
-        seconds, parts = step_time(layout, shape, accum, t.micro_batch_size, t.seq_len, comm, knobs,
-                                   0.0 if selective else checkpointed, plan, act_bytes)
+        seconds, parts = step_time(layout, shape, accum, t.micro_batch_size, t.seq_len, comm, knobs, ac,
+                                   checkpointed, plan, act_bytes, t.compile)
         parts["each"] = Counter({(dims.get(d, d), k): v for (d, k), v in parts["each"].items()})
         tokens = t.global_batch_size * t.seq_len
         out.update(step_s=seconds, time=parts, tok_per_s=tokens / seconds,
-                   mfu=shape["flops_per_token"] * tokens / seconds / (GPUS[plan.gpu]["peak"] * layout.stage_world),
-                   fits=out["total_memory"] <= plan.usable_memory * GPUS[plan.gpu]["memory"],
+                   mfu=shape["flops_per_token"] * tokens / seconds / (spec(plan)["peak"] * layout.stage_world),
+                   fits=out["total_memory"] <= plan.usable_memory * spec(plan)["memory"],
                    crosses_nodes=crosses_nodes(comm, layout, plan))
     return out
 
 
-def predict_run(run_dir):
+def predict_run(run_dir, plan=None):
     """The prediction for a finished run of train.py, from its own resolved config.yaml and the Layout its first
     record holds (Layout.record()): the benchmark and the sweep report set it beside the run's measured counters."""
     import json
@@ -880,7 +961,7 @@ def predict_run(run_dir):
         start = json.loads(f.readline())
     cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
     cfg.train.dtype = start["dtype"]  # what the run resolved `auto` to (the planner otherwise assumes a GPU's bf16)
-    return predict(cfg, Layout(**{f.name: start[f.name] for f in dataclasses.fields(Layout)}))
+    return predict(cfg, Layout(**{f.name: start[f.name] for f in dataclasses.fields(Layout)}), plan=plan)
 
 
 def cluster_problem(layout, plan):
@@ -939,11 +1020,12 @@ def candidates(world, plan, impl="scratch", experts=0):
 
 # --- the command
 def check_plan(plan):
-    if plan.gpu not in GPUS:
-        return f"plan.gpu={plan.gpu!r}: expected one of {', '.join(GPUS)}"
+    if plan.gpu not in DEVICES:
+        return (f"plan.gpu={plan.gpu!r}: expected one of {', '.join(DEVICES)}; for another GPU name the nearest "
+                f"and set its figures: plan.peak_tflops, plan.hbm_tbps, plan.memory_gb")
     if plan.link not in LINKS:
         return f"plan.link={plan.link!r}: expected one of {', '.join(LINKS)} (within a node; plan.network between)"
-    if GPUS[plan.gpu][plan.link] is None:
+    if spec(plan)[plan.link] is None:
         return f"plan.gpu={plan.gpu} has no {plan.link}: plan.link=pcie"
     if plan.network not in NETWORKS:
         return f"plan.network={plan.network!r}: expected one of {', '.join(NETWORKS)}"
@@ -953,7 +1035,7 @@ def check_plan(plan):
     if plan.world > plan.gpus_per_node and plan.world % plan.gpus_per_node:
         return f"plan.world={plan.world} is not a whole number of nodes of {plan.gpus_per_node} GPUs"
     for key in ("compute_efficiency", "link_efficiency", "usable_memory"):
-        if not 0 < plan[key] <= 1:
+        if (plan[key] is not None or key != "compute_efficiency") and not 0 < plan[key] <= 1:
             return f"plan.{key}={plan[key]} must be in (0, 1]"
     return None
 
@@ -974,7 +1056,7 @@ def report(cfg, shape, layout=None):
     """The plan as text: the layout (the configured one where None) in detail, then the ranking."""
     plan, t, world = cfg.plan, cfg.train, cfg.plan.world
     chosen = predict(cfg, layout, shape=shape, plan=plan)
-    layout, gpu, pp = chosen["layout"], GPUS[plan.gpu], chosen["pp"]
+    layout, gpu, pp = chosen["layout"], spec(plan), chosen["pp"]
     bw = bandwidths(layout, plan)
     bw["dp_cp"] = bw["dp"]
     bw["pp"] = pp_bandwidth(world, plan)
@@ -995,8 +1077,10 @@ def report(cfg, shape, layout=None):
         f"cluster: {world} x {plan.gpu} ({gpu['peak'] / 1e12:.0f} TFLOP/s bf16, {gpu['memory'] / 1e9:.0f} GB at "
         f"{gpu['hbm'] / 1e12:.2f} TB/s) on "
         f"{nodes} node(s) of {plan.gpus_per_node}; {plan.link} {gpu[plan.link] / 1e9:.0f} GB/s within a node, "
-        f"{plan.network} {NETWORKS[plan.network] / 1e9:.0f} GB/s per GPU between; assumed: "
-        f"{plan.compute_efficiency:.0%} of peak compute, {plan.link_efficiency:.0%} of link bandwidth",
+        f"{plan.network} {NETWORKS[plan.network] / 1e9:.0f} GB/s per GPU between; compute: "
+        + (f"assumed {plan.compute_efficiency:.0%} of peak" if plan.compute_efficiency else
+           "from the step's operations (tools/step_time.py)")
+        + f"; assumed {plan.link_efficiency:.0%} of link bandwidth",
         "knobs: " + ", ".join(f"{k}={v}" for k, v in chosen["knobs"].items()),
         "",
         f"layout: parallel={layout.name} {pipeline_part(chosen) + ' x ' if pp > 1 else ''}dp={chosen['dp']}"

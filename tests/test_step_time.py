@@ -1,0 +1,103 @@
+"""tools/step_time.py, the planner's step time from the step's operations: its op list against the ops model.py
+really runs, its GPU matmul model against the H200's measured products, and the planner against published runs
+(tools/published.py)."""
+import json
+import os
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import ROOT
+from model import Block, GPTConfig
+from tools import plan, published, step_time
+
+
+class Matmuls(TorchDispatchMode):
+    """The (M, N, K) of every matmul dispatched: mm, addmm, bmm (per batch), flattened to 2-D."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name in ("mm", "addmm"):
+            a, b = (args[1], args[2]) if name == "addmm" else (args[0], args[1])
+            self.seen[a.shape[0], b.shape[1], a.shape[1]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(mlp="swiglu", n_kv_head=2, n_head=4)])
+def test_block_ops_are_the_blocks_matmuls(settings):
+    """block_ops lists the matmuls our Block runs forward, shape for shape, and backward() the ones autograd runs
+    (each matmul's input gradient and weight gradient); a GELU block and a SwiGLU block with grouped-query
+    attention."""
+    cfg = GPTConfig(n_embd=64, n_head=settings.get("n_head", 4), block_size=32,
+                    **{k: v for k, v in settings.items() if k != "n_head"})
+    block = Block(cfg)
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    cos, sin = torch.ones(32, 16), torch.zeros(32, 16)
+    shape = {"n_embd": 64, "n_head": cfg.n_head, "kv_embd": cfg.kv_heads * cfg.head_dim, "hidden": cfg.hidden,
+             "mlp": cfg.mlp}
+    ops = step_time.block_ops(shape, tokens=64, seq=32)
+    with Matmuls() as fwd:
+        y = block(x, cos, sin)
+    with Matmuls() as bwd:
+        y.sum().backward()
+    planned = lambda o: Counter(op[1:] for op in o if op[0] == "matmul")  # noqa: E731
+    assert fwd.seen == planned(ops)
+    assert bwd.seen == planned(step_time.backward(ops))
+    attention = [op for op in ops if op[0] == "attention"]
+    assert len(attention) == 1 and attention[0][1] == 4 * 64 * 16 * cfg.n_head * cfg.head_dim  # causal: seq / 2
+
+
+def test_gpu_matmul_model_against_the_h200():
+    """The wave-quantization model (tile 128 x 128 over 132 SMs, 0.72 of peak, 4 us a kernel) against the bf16
+    products tools/device_bench.py measured on an H200 (2026-12-04): of those that ran longer than 30 us (shorter
+    ones time the host's loop, not the GPU), at least 40 of 51 within 15%, the median within 5%."""
+    with open(os.path.join(ROOT, "docs", "h200", "device_bench.json")) as f:
+        rows = [r for r in json.load(f)["matmul"] if r["dtype"] == "bfloat16" and r["seconds"] > 30e-6]
+    gpu = step_time.GPU("h200", plan.GPUS["h200"])
+    ratios = sorted(gpu.matmul_s(r["M"], r["N"], r["K"], 2) / r["seconds"] for r in rows)
+    assert len(rows) == 51
+    assert sum(0.85 <= x <= 1.15 for x in ratios) >= 40, ratios
+    assert ratios[len(ratios) // 2] == pytest.approx(1.0, abs=0.05)
+
+
+def test_cpu_device_reads_its_measurements():
+    """A CPU is its measured profile: at a measured shape the matmul's rate is the measured one; attention and
+    element-wise work are their measured rates (split between forward and backward as their bytes are); ranks
+    beyond the measured worlds share the cores; gloo's collectives cost latency per call plus bytes at the rate."""
+    profile = {"cores": 2, "host_op_s": 5e-6, "shared": {"2": 1.1, "4": 2.3},
+               "matmul": {"4": [[256, 128, 128, 100e9], [1024, 512, 512, 50e9]]},
+               "attention": {"4": [[512, 64, 40e9, 20e9], [2048, 64, 80e9, 40e9]]},
+               "elementwise": {"4": {"norm": 3e-9}},
+               "gloo": {"2": {"all_reduce": [1e-3, 1e9], "all_gather": [2e-4, 5e8]}}}
+    cpu = step_time.CPU(profile)
+    assert cpu.matmul_s(256, 128, 128, 4) == pytest.approx(2 * 256 * 128 * 128 / 100e9, rel=1e-2)
+    assert cpu.attention_s(1e9, 2048, 64, 4, 4, True) == pytest.approx(2.5 * 1e9 / 40e9, rel=1e-2)
+    fwd, bwd = (cpu.elementwise_s("norm", 1000, 4, 4, b) for b in (False, True))
+    assert fwd + bwd == pytest.approx(1000 * 3e-9)
+    assert bwd / fwd == pytest.approx((4 + 8 + 24) / (4 + 4 + 8))  # ELEMENTWISE["norm"]'s bytes at a = r = 4
+    assert (cpu.shared(1), cpu.shared(2), cpu.shared(4), cpu.shared(8)) == (1.0, 1.1, 2.3, pytest.approx(4.4))
+    assert cpu.collective_s("all_reduce", 2e6, 2, calls=3) == pytest.approx(3e-3 + 1e6 / 1e9)
+    assert cpu.collective_s("all_to_all", 2e6, 2) == pytest.approx(2e-4 + 1e6 / 5e8)  # unmeasured: all-gather's
+
+
+def test_published_runs():
+    """Every bf16 row of tools/published_runs.py is planned (none refused), its measured tokens/s per GPU read
+    from the source's own figure; the source's MFU, where it gives both, agrees with its tokens/s under our FLOP
+    count within 10% (the sources count FLOPs a little differently); and the planner's accuracy does not slip below
+    what it was on 2026-12-06 (python -m tools.published: 23 of 50 rows within 15%)."""
+    results = published.compare()
+    assert len(results) == 50 and not [r["problem"] for r in results if r["problem"]]
+    for r in results:
+        row = r["row"]
+        assert r["measured"] and r["predicted"] > 0
+        if row["mfu"] and row["tokens_per_s_per_gpu"]:
+            ours = r["measured"] * plan.model_shape(plan.compose(published.overrides(row)))["flops_per_token"] \
+                / plan.GPUS[row["gpu"]]["peak"]
+            assert ours == pytest.approx(row["mfu"], rel=0.10), row["name"]
+    assert sum(0.85 <= r["ratio"] <= 1.15 for r in results) >= 23

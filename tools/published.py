@@ -1,0 +1,126 @@
+"""The planner against published runs: each bf16 row of tools/published_runs.py (Megatron-LM, its selective
+recompute paper, torchtitan, llm-foundry, Llama 3) rebuilt as a config, predicted by tools/plan.py, and its
+tokens/s per GPU set beside the measured one.
+
+    python -m tools.published              # the table (markdown), about 10 s
+    python -m tools.published --out FILE   # also written to FILE
+
+Measured tokens/s per GPU: the source's own where it gives one; else from its MFU or HFU with its own FLOP count
+(Narayanan et al.: 96 l h^2 (1 + s / 6h + V / 16 l h) FLOPs per token, recompute included; Llama 3: PaLM's
+6N + 12 l d s). What the planner is told: the model's shape, the batch, the micro-batch (1 where the source does not
+give it, stated in the row), the layout (tensor, pipeline and context parallel degrees; the data strategy), the
+activation checkpointing mode, and the GPU; 8 GPUs per node over NVLink, InfiniBand between. Tied embeddings are
+planned untied (the head's matmul is the same; our rule book refuses a tie under FSDP and pipelines). A row the rule
+book refuses is listed with its line.
+"""
+import argparse
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def measured_tokens(row, flops_per_token):
+    """(tokens/s per GPU as the source measured it, how it was read)."""
+    from tools.plan import GPUS
+    if row["tokens_per_s_per_gpu"]:
+        return row["tokens_per_s_per_gpu"], "tokens/s"
+    l, h, s, V = row["n_layer"], row["n_embd"], row["seq_len"], row["vocab_size"]
+    if row["tflops_per_gpu"] and row["source"].startswith("Megatron-LM"):
+        per_token = 96 * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+        return row["tflops_per_gpu"] * 1e12 / per_token, "TFLOP/s (recompute counted)"
+    if row["mfu"]:
+        return row["mfu"] * GPUS[row["gpu"]]["peak"] / flops_per_token, "MFU"
+    return None, "nothing measured"
+
+
+def overrides(row):
+    micro = row["micro_batch_size"] or 1
+    ac = row["activation_checkpointing"] or "none"
+    out = [f"model.n_layer={row['n_layer']}", f"model.n_embd={row['n_embd']}", f"model.n_head={row['n_head']}",
+           f"model.n_kv_head={row['n_kv_head']}", f"model.ffn_hidden={row['ffn_hidden']}", f"model.mlp={row['mlp']}",
+           f"model.vocab_size={row['vocab_size']}", f"model.block_size={row['seq_len']}",
+           # a tokenizer of the row's vocabulary (the planner reads its size only; nothing is read or trained)
+           "data=text", f"data.vocab_size={row['vocab_size']}",
+           f"train.seq_len={row['seq_len']}", f"train.global_batch_size={row['global_batch_size']}",
+           f"train.micro_batch_size={micro}", f"train.activation_checkpointing={ac}",
+           f"parallel.tp={row['tp']}", f"parallel.pp={row['pp']}", f"parallel.cp={row['cp'] or 1}",
+           f"parallel.data={'fsdp' if row['data'] == 'hsdp' else row['data']}", "parallel.dp=null",
+           f"plan.world={row['gpus']}", f"plan.gpu={row['gpu']}", "plan.rank=false"]
+    if row["pp"] > 1:
+        schedule = row["pp_schedule"] or "1f1b"
+        out += [f"parallel.pp_schedule={schedule}"]
+        if schedule == "interleaved_1f1b":
+            out += [f"parallel.pp_virtual={row['pp_virtual'] or 2}"]
+    if row["tp"] > 1 and row["sequence_parallel"]:
+        out += ["parallel.sequence_parallel=true"]
+    if row["compile"]:
+        out += ["train.compile=true"]
+    return out
+
+
+def compare(rows=None, log=lambda *a: None):
+    """[{row, predicted, measured, ratio, how, problem}] for every bf16 (or unstated 16-bit) row."""
+    sys.path.insert(0, ROOT)
+    import config
+    from tools import plan
+    from tools.published_runs import RUNS
+    out = []
+    for row in rows or RUNS:
+        if row["dtype"] == "float8":
+            continue
+        log(row["name"])
+        r = {"row": row, "predicted": None, "measured": None, "ratio": None, "how": "", "problem": None}
+        out.append(r)
+        try:
+            cfg = plan.compose(overrides(row))
+            layout = plan.check(cfg)
+        except config.ConfigError as e:
+            r["problem"] = str(e)
+            continue
+        p = plan.predict(cfg, layout, plan=cfg.plan)
+        shape = plan.model_shape(cfg)
+        r["measured"], r["how"] = measured_tokens(row, shape["flops_per_token"])
+        r["predicted"] = p["tok_per_s"] / row["gpus"]
+        r["mfu"] = p["mfu"]
+        if r["measured"]:
+            r["ratio"] = r["predicted"] / r["measured"]
+    return out
+
+
+def markdown(results):
+    lines = ["| run | GPUs | layout | AC | measured tokens/s/GPU (from) | planner | planner / measured |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        row = r["row"]
+        layout = f"{row['data']} tp={row['tp']} pp={row['pp']}" + (f" cp={row['cp']}" if (row["cp"] or 1) > 1 else "")
+        if r["problem"]:
+            lines.append(f"| {row['name']} | {row['gpus']} x {row['gpu']} | {layout} | "
+                         f"{row['activation_checkpointing']} | refused: {r['problem']} | | |")
+            continue
+        m = f"{r['measured']:,.0f} ({r['how']})" if r["measured"] else "-"
+        ratio = f"{r['ratio']:.2f}" if r["ratio"] else "-"
+        lines.append(f"| {row['name']} | {row['gpus']} x {row['gpu']} | {layout} | {row['activation_checkpointing']} "
+                     f"| {m} | {r['predicted']:,.0f} | {ratio} |")
+    ratios = [r["ratio"] for r in results if r["ratio"]]
+    within = sum(0.85 <= x <= 1.15 for x in ratios)
+    lines += ["", f"{within} of {len(ratios)} rows within 15% (planner / measured from {min(ratios):.2f} to "
+                  f"{max(ratios):.2f})" if ratios else "no rows"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="also write the table here (a new file)")
+    a = ap.parse_args(argv)
+    if a.out and os.path.exists(a.out):
+        sys.exit(f"error: --out {a.out} exists; name a new file")
+    text = markdown(compare())
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

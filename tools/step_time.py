@@ -1,0 +1,453 @@
+"""The time of a training step from the operations it runs, on a device (tools/plan.py's step_time builds on it).
+
+Each rank's micro-step is a list of operations over its share of the tokens and the weights (ops): the matmuls by
+their (M, N, K), attention by its FLOPs and sequence, and the memory-bound element-wise work (norms, RoPE, the
+MLP's activation, residual adds, copies, the loss) by its elements. Backward is each matmul's two (the input's
+gradient, M x K from an N-wide product; the weight's, N x K summed over M), attention's backward kernel, and each
+element-wise op's backward. The optimizer step reads and writes every parameter the rank owns.
+
+A device prices them (Device):
+- a GPU from its datasheet (tools/plan.py GPUS) and two measured efficiencies. A matmul runs in output tiles of
+  128 x 128 spread over the SMs in waves: a product whose tiles leave the last wave part empty runs that much
+  below the rate (wave quantization, what makes small and skinny products slow), at most MATMUL_EFFICIENCY of the
+  peak, and never faster than its bytes over the memory's bandwidth; each kernel costs KERNEL_S besides. On the
+  H200 (docs/h200/device_bench.json, 2026-12-04) this puts 43 of the 51 bf16 products that run longer than
+  30 us within 15% of measured (tests/test_step_time.py). Attention runs at ATTENTION_EFFICIENCY of the peak (flash
+  attention forward and backward at 16k-32k tokens on the H200: 0.55-0.57), element-wise work at
+  MEMORY_EFFICIENCY of the memory's bandwidth (a copy on the H200: 0.88).
+- a CPU from a short microbenchmark of the machine at hand (cpu_profile, cached): matmul rates over a grid of
+  shapes, read by the nearest measured shapes; attention forward and backward over sequence lengths and head
+  sizes; model.py's own norm, RoPE, activations, loss and AdamW's step per element; the time of one small op
+  (what eager PyTorch spends dispatching each); and gloo's collectives between processes of this machine. On a
+  CPU the ranks share its cores (a rank's compute takes ranks / cores as long where there are more ranks than
+  cores), and gloo's collectives run on the same cores: nothing overlaps.
+
+Eager PyTorch spends host time on every op it dispatches (HOST_OPS per op, HOST_OP_S each on a GPU, measured on a
+CPU). A GPU runs ahead of its host: an op takes the longer of its kernel and its dispatch. On a CPU both are the
+same core's time: they add.
+"""
+import functools
+import json
+import math
+import os
+import platform
+import time
+
+MATMUL_EFFICIENCY = 0.72      # bf16 4096-8192 cubes on the H200: 698-711 of 989 TFLOP/s
+ATTENTION_EFFICIENCY = 0.57   # flash attention forward + backward, causal, 32 heads of 128, 16k tokens, H200
+MEMORY_EFFICIENCY = 0.85      # a 2 GiB copy on the H200: 4.2 of 4.8 TB/s (0.88)
+TILE = 128                    # a matmul's output tile, rows and columns
+KERNEL_S = 4e-6               # a kernel's start and tail, fitted to the H200's products of 30 us to 1 ms
+HOST_OP_S = 10e-6             # eager PyTorch's host time per op on a GPU machine (dispatch, autograd)
+# SMs (compute units on the MI300X) per GPU, from the vendors' datasheets
+SMS = {"h100": 132, "h100_pcie": 114, "h200": 132, "a100": 108, "a100_40gb": 108, "b200": 148, "mi300x": 304,
+       "l40s": 142}
+
+# Bytes each element-wise kind moves per element, forward and backward, with a the compute dtype's bytes and r the
+# residual stream's (model.py): RMSNormFn reads x, writes its output, and in float32 forms x / rms; backward
+# reads the gradient and x and writes three float32 temporaries and dx. Rope writes x cos, then adds two halves in
+# place. The MLP's activation reads and writes its wide tensor (SwiGLU: silu(gate) x up, two inputs). A residual
+# add reads two and writes one; its backward passes the gradient on. The loss (model.CrossEntropy) per logit: a
+# float32 copy of each chunk, a log-sum-exp of two passes; backward rewrites the logits through four float32 passes.
+# A cast (autocast's copy of a float32 weight): reads 4, writes 2.
+ELEMENTWISE = {"norm": (lambda a, r: (r + a + 8, a + 2 * r + 24)),
+               "rope": (lambda a, r: (4 * a, 4 * a)),
+               "copy": (lambda a, r: (2 * a, 2 * a)),
+               "residual": (lambda a, r: (3 * r, 0)),
+               "gelu": (lambda a, r: (2 * a, 3 * a)),
+               "swiglu": (lambda a, r: (5 * a, 8 * a)),
+               "router": (lambda a, r: (a + 12, 16)),
+               "loss": (lambda a, r: (a + 16, 2 * a + 32)),
+               "cast": (lambda a, r: (6, 0)),
+               "add": (lambda a, r: (12, 0)),        # a float32 gradient added into another (accumulation)
+               "adamw": (lambda a, r: (36, 0))}      # per parameter: reads p, g, m, v, writes p, m, v; the clip
+# aten ops eager PyTorch dispatches for each, forward and backward (counted on model.py's modules: a linear's
+# matmul and its views; the norm's seven forward and twelve backward ops; a loss chunk's)
+HOST_OPS = {"matmul": (2, 3), "attention": (3, 2), "norm": (7, 12), "rope": (5, 4), "copy": (1, 1),
+            "residual": (1, 1), "gelu": (1, 1), "swiglu": (2, 4), "router": (6, 4), "loss": (3, 6), "cast": (1, 0),
+            "add": (1, 0), "adamw": (0, 0)}
+
+
+# --- what a step runs
+def block_ops(shape, tokens, seq, tp=1, moe=False, ep=1, autocast=False):
+    """One block's forward on one rank over `tokens` tokens (micro-batch x seq / cp), each sequence `seq` long: a
+    list of ("matmul", M, N, K), ("attention", FLOPs, seq, head_dim, queries' heads) and ("elementwise", kind,
+    elements). Tensor parallelism splits the heads and the MLP's width over tp (parallel/tp.py); an MoE block's
+    router and routed experts run whole on every tp rank, its experts' rows balanced (each rank of ep processes
+    k x its tokens, over E / ep experts). `autocast`: float32 weights cast to bf16 for every matmul."""
+    d, M = shape["n_embd"], tokens
+    hd = d // shape["n_head"]
+    heads, kv = shape["n_head"] // tp, shape.get("kv_embd", d) // tp
+    ops = [("elementwise", "norm", M * d),
+           ("matmul", M, heads * hd + 2 * kv, d),
+           ("elementwise", "rope", M * (heads * hd + kv)),
+           ("elementwise", "copy", M * kv),
+           # causal: each query meets seq / 2 keys on average, QK^T and PV at 2 FLOPs each per head_dim
+           ("attention", 4 * M * (seq / 2) * heads * hd, seq, hd, heads),
+           ("elementwise", "copy", M * heads * hd),
+           ("matmul", M, d, heads * hd),
+           ("elementwise", "residual", M * d),
+           ("elementwise", "norm", M * d)]
+    if moe:
+        E, k = shape["n_experts"], shape["top_k"]
+        ops += [("matmul", M, E, d), ("elementwise", "router", M * E), ("elementwise", "copy", 2 * M * k * d)]
+        ops += mlp_ops(shape, M * k * ep // E, shape["expert_hidden"], repeat=E // ep)
+        if shape.get("shared_hidden"):
+            ops += mlp_ops(shape, M, shape["shared_hidden"] // tp)
+    else:
+        ops += mlp_ops(shape, M, shape.get("hidden", 4 * d) // tp)
+    ops.append(("elementwise", "residual", M * d))
+    if autocast:
+        ops += [("elementwise", "cast", o[2] * o[3]) for o in ops if o[0] == "matmul"]
+    return ops
+
+
+def mlp_ops(shape, M, f, repeat=1):
+    d = shape["n_embd"]
+    if shape.get("mlp", "gelu") == "swiglu":
+        one = [("matmul", M, f, d), ("matmul", M, f, d), ("elementwise", "swiglu", M * f), ("matmul", M, d, f)]
+    else:
+        one = [("matmul", M, f, d), ("elementwise", "gelu", M * f), ("matmul", M, d, f)]
+    return one * repeat
+
+
+def head_ops(shape, tokens, tp=1, autocast=False):
+    """The final norm, the head's matmul over the rank's vocabulary rows, the loss; and the embedding's lookup."""
+    d, V = shape["n_embd"], shape["vocab"] // tp
+    ops = [("elementwise", "copy", tokens * d), ("elementwise", "norm", tokens * d), ("matmul", tokens, V, d),
+           ("elementwise", "loss", tokens * V)]
+    return ops + ([("elementwise", "cast", V * d)] if autocast else [])
+
+
+def backward(ops):
+    """The backward of forward ops: a matmul's two, attention's kernel, each element-wise op's own."""
+    out = []
+    for op in ops:
+        if op[0] == "matmul":
+            _, M, N, K = op
+            out += [("matmul", M, K, N), ("matmul", N, K, M)]
+        else:
+            out.append((op[0] + "_backward",) + op[1:])
+    return out
+
+
+# --- devices
+class Device:
+    """Seconds for each op on one device; `cores` > 0 on a CPU (ranks beyond them share)."""
+    name, cores, overlap = "device", 0, True
+
+    def op_seconds(self, op, a, r):
+        kind = op[0]
+        backward_op = kind.endswith("_backward")
+        base = kind[:-len("_backward")] if backward_op else kind
+        if base == "matmul":
+            return self.matmul_s(*op[1:], a)
+        if base == "attention":
+            return self.attention_s(*op[1:], a, backward_op)
+        return self.elementwise_s(op[1], op[2], a, r, backward_op)
+
+    def host_ops(self, op):
+        kind = op[0]
+        backward_op = kind.endswith("_backward")
+        base = kind[:-len("_backward")] if backward_op else kind
+        n = HOST_OPS[op[1] if base == "elementwise" else base][backward_op]
+        if base == "elementwise" and op[1] == "loss":  # one chunk at a time (model.CrossEntropy)
+            n *= max(1, math.ceil(op[2] * 4 / self.loss_chunk_bytes))
+        return n
+
+    def seconds(self, ops, a, r, compiled=False):
+        """(device seconds, host seconds) of a list of ops, `a` the compute dtype's bytes, `r` the residual's."""
+        device = sum(self.op_seconds(op, a, r) for op in ops)
+        host = sum(self.host_ops(op) for op in ops) * self.host_op_s
+        if compiled:  # the compiler fuses the element-wise ops between matmuls: a graph's launch each (about 4)
+            host = sum(op[0].startswith(("matmul", "attention")) for op in ops) * 2 * self.host_op_s
+        return device, host
+
+    def time(self, ops, a, r, compiled=False):
+        device, host = self.seconds(ops, a, r, compiled)
+        return max(device, host) if self.overlap else device + host
+
+
+class GPU(Device):
+    loss_chunk_bytes = 1 << 28  # model.GPU_CHUNK_BYTES
+
+    def __init__(self, name, spec):
+        self.name, self.spec, self.sms = name, spec, SMS[name]
+        self.host_op_s = HOST_OP_S
+
+    def peak(self, a):
+        return self.spec["peak"] if a == 2 else self.spec["peak"] / 2  # float32 matmuls as TF32
+
+    def matmul_s(self, M, N, K, a):
+        tiles = math.ceil(M / TILE) * math.ceil(N / TILE)
+        waves = math.ceil(tiles / self.sms)
+        compute = 2 * M * N * K / (self.peak(a) * MATMUL_EFFICIENCY * tiles / (waves * self.sms))
+        return max(compute, a * (M * K + K * N + M * N) / self.spec["hbm"]) + KERNEL_S
+
+    def attention_s(self, flops, seq, head_dim, heads, a, backward_op):
+        return (2.5 if backward_op else 1.0) * flops / (self.peak(a) * ATTENTION_EFFICIENCY) + KERNEL_S
+
+    def elementwise_s(self, kind, n, a, r, backward_op):
+        moved = ELEMENTWISE[kind](a, r)[backward_op] * n
+        return moved / (self.spec["hbm"] * MEMORY_EFFICIENCY) + (KERNEL_S if moved else 0.0)
+
+
+class CPU(Device):
+    """A CPU from cpu_profile's measurements."""
+    overlap = False
+    loss_chunk_bytes = 1 << 22  # model.CPU_CHUNK_BYTES
+
+    def __init__(self, profile):
+        self.profile, self.name = profile, "cpu"
+        self.cores, self.host_op_s = profile["cores"], profile["host_op_s"]
+
+    def shared(self, ranks):
+        """How much longer a rank computes where `ranks` processes share this machine: measured at 2 and 4 ranks
+        (the cores' sharing, and their caches' and memory's), by cores beyond."""
+        if ranks <= 1:
+            return 1.0
+        measured = self.profile["shared"]
+        if str(ranks) in measured:
+            return measured[str(ranks)]
+        return max(1.0, ranks / self.cores) * measured["2"]
+
+    def matmul_s(self, M, N, K, a):
+        rows = self.profile["matmul"][str(a)]
+        # the rate of the measured shapes nearest in log space (inverse-distance weights of the 4 nearest)
+        key = [math.log2(max(1, x)) for x in (M, N, K)]
+        near = sorted(rows, key=lambda row: sum((u - math.log2(v)) ** 2 for u, v in zip(key, row[:3])))[:4]
+        weights = [1 / (1e-3 + sum((u - math.log2(v)) ** 2 for u, v in zip(key, row[:3]))) for row in near]
+        rate = math.exp(sum(w * math.log(row[3]) for w, row in zip(weights, near)) / sum(weights))
+        return 2 * M * N * K / rate
+
+    def attention_s(self, flops, seq, head_dim, heads, a, backward_op):
+        rows = self.profile["attention"][str(a)]  # [seq, head_dim, forward FLOP/s, backward FLOP/s]
+        key = (math.log2(seq), math.log2(head_dim))
+        near = sorted(rows, key=lambda row: (key[0] - math.log2(row[0])) ** 2 + (key[1] - math.log2(row[1])) ** 2)[:2]
+        weights = [1 / (1e-3 + (key[0] - math.log2(row[0])) ** 2 + (key[1] - math.log2(row[1])) ** 2)
+                   for row in near]
+        rate = math.exp(sum(w * math.log(row[3 if backward_op else 2]) for w, row in zip(weights, near))
+                        / sum(weights))
+        return (2.5 if backward_op else 1.0) * flops / rate
+
+    def elementwise_s(self, kind, n, a, r, backward_op):
+        # measured: seconds per element forward + backward; split between them as their bytes are
+        fwd, bwd = ELEMENTWISE[kind](a, r)
+        share = (bwd if backward_op else fwd) / (fwd + bwd)
+        return n * self.profile["elementwise"][str(a)][kind] * share
+
+    def collective_s(self, kind, counted, n, calls=1):
+        """gloo between processes of this machine, `calls` collectives of `counted` bytes in all (as
+        parallel/comm.py counts them) over n ranks."""
+        if n <= 1 or not counted:
+            return 0.0
+        key = str(min(n, max(int(k) for k in self.profile["gloo"])))
+        latency, rate = self.profile["gloo"][key].get(kind, self.profile["gloo"][key]["all_gather"])
+        return calls * latency + counted * (n - 1) / n / rate
+
+
+def device(plan):
+    """The Device plan.gpu names: a GPU of tools/plan.py's table (with plan.peak_tflops and the like over it), or
+    `cpu`, measured (cpu_profile)."""
+    from tools.plan import spec
+    if plan.gpu == "cpu":
+        return CPU(cpu_profile())
+    return GPU(plan.gpu, spec(plan))
+
+
+# --- the CPU's microbenchmark
+SQUARES = (32, 128, 512)
+CPU_SHAPES = [(m, n, k) for m in (256, 1024, 4096) for n in SQUARES + (2048,) for k in SQUARES + (2048,)]
+CPU_ATTENTION = [(t, hd) for t in (128, 512, 2048) for hd in (32, 64, 128)]
+ELEMENTWISE_N = 1 << 20
+
+
+def _timed(fn, min_time):
+    fn()
+    n, t0 = 0, time.perf_counter()
+    while n < 2 or time.perf_counter() - t0 < min_time:
+        fn()
+        n += 1
+    return (time.perf_counter() - t0) / n
+
+
+def cpu_profile(path=None, min_time=0.02, refresh=False, log=print):
+    """This machine's CPU as the step-time model needs it, measured on one thread (as each rank of a run with
+    OMP_NUM_THREADS=1 computes) in about 15 s and cached (`path`, default $NANOPARALLEL_CACHE/cpu_profile-*.json,
+    keyed by machine and torch)."""
+    import torch
+    cache = os.path.expanduser(os.environ.get("NANOPARALLEL_CACHE", "~/.cache/nanoparallel"))
+    path = path or os.path.join(cache, f"cpu_profile-{platform.node()}-{os.cpu_count()}-{torch.__version__}.json")
+    if os.path.exists(path) and not refresh:
+        with open(path) as f:
+            return json.load(f)
+    log(f"measuring this CPU for the step-time model (once, about 15 s): {path}")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        profile = _measure_cpu(min_time)
+    finally:
+        torch.set_num_threads(threads)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(profile, f, indent=1)
+    os.replace(path + ".tmp", path)
+    return profile
+
+
+def _measure_cpu(min_time):
+    import torch
+    import torch.nn.functional as F
+    import model
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    out = {"cores": cores, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "matmul": {},
+           "attention": {}, "elementwise": {}}
+    for dtype, a in ((torch.float32, "4"), (torch.bfloat16, "2")):
+        out["matmul"][a] = []
+        for m, n, k in CPU_SHAPES:
+            x, w = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+            out["matmul"][a].append([m, n, k, 2 * m * n * k / _timed(lambda: x @ w, min_time)])
+        out["attention"][a] = []
+        for t, hd in CPU_ATTENTION:
+            q, k, v = (torch.randn(1, 4, t, hd, dtype=dtype, requires_grad=True) for _ in range(3))
+            flops = 4 * 4 * t * (t / 2) * hd
+            fwd = _timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), min_time)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            g = torch.randn_like(y)
+            both = _timed(lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                                                      (q, k, v), g), min_time)
+            out["attention"][a].append([t, hd, flops / fwd, 2.5 * flops / max(both - fwd, 1e-9)])
+        out["elementwise"][a] = _measure_elementwise(dtype, min_time)
+    x = torch.ones(8, requires_grad=True)
+
+    def small():  # 64 tiny ops forward, as many backward
+        y = x
+        for _ in range(64):
+            y = y * 1.0001
+        y.sum().backward()
+    out["host_op_s"] = _timed(small, min_time) / 130
+    out["gloo"] = _measure_gloo()
+    alone = _timed(_compute_load(), min_time)
+    # what a rank's compute takes where `world` ranks share the machine, against one process alone
+    out["shared"] = {world: out["gloo"][world].pop("compute_s") / alone for world in out["gloo"]}
+    return out
+
+
+def _measure_elementwise(dtype, min_time):
+    """Seconds per element of model.py's own element-wise pieces, forward and backward."""
+    import torch
+    import torch.nn.functional as F
+    import model
+    n, d = ELEMENTWISE_N, 256
+    rows = n // d
+
+    def fwd_bwd(f, *shapes):
+        xs = [torch.randn(*s, dtype=dtype, requires_grad=True) for s in shapes]
+        y = f(*xs)
+        g = torch.randn_like(y)
+        return _timed(lambda: torch.autograd.grad(f(*xs), xs, g), min_time) / y.numel()
+
+    w = torch.ones(d, requires_grad=True)
+    cos, sin = model.rope_tables(model.GPTConfig(n_embd=64, n_head=1, block_size=rows), "cpu")
+    c, s = cos[:, None].to(dtype), sin[:, None].to(dtype)
+    v = 4096  # the loss over a vocabulary of 4096
+    out = {"norm": fwd_bwd(lambda x: model.RMSNormFn.apply(x, w.to(dtype), 1e-6), (rows, d)),
+           "rope": fwd_bwd(lambda x: model.Rope.apply(x, c, s), (rows, n // rows // 64, 64)),
+           "copy": fwd_bwd(lambda x: x.transpose(0, 1).contiguous(), (rows, d)),
+           "residual": fwd_bwd(lambda x, y: x + y, (rows, d), (rows, d)),
+           "gelu": fwd_bwd(F.gelu, (rows, d)),
+           "swiglu": fwd_bwd(lambda x, y: F.silu(x) * y, (rows, d), (rows, d)),
+           "router": fwd_bwd(lambda x: x.float().softmax(-1), (rows, d))}
+    logits = torch.randn(n // v, v, dtype=dtype, requires_grad=True)
+    targets = torch.randint(0, v, (n // v,))
+    out["loss"] = _timed(lambda: model.CrossEntropy.apply(logits.detach().clone().requires_grad_(), targets)
+                         .backward(), min_time) / n
+    a, b = torch.randn(n), torch.randn(n)
+    out["add"] = out["cast"] = _timed(lambda: a.add_(b), min_time) / n
+    p = torch.nn.Parameter(torch.randn(n))
+    p.grad = torch.randn(n)
+    opt = torch.optim.AdamW([p], lr=1e-9)
+
+    def step():
+        torch.nn.utils.clip_grad_norm_([p], 1.0)
+        opt.step()
+    out["adamw"] = _timed(step, min_time) / n
+    return out
+
+
+def _gloo_rank(rank, world, port, queue, reps=8):
+    """Each collective as a training step meets it: between matmuls that keep every rank's core busy, so that its
+    cost includes what it takes from the compute (gloo's work runs on the same cores) and the ranks' waiting for
+    one another. Per collective: (latency, bytes/s) fitted to a small and a large message."""
+    import warnings
+    import torch
+    import torch.distributed as dist
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    compute = _compute_load()
+
+    def timed(fn):
+        fn()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        dist.barrier()
+        return (time.perf_counter() - t0) / reps
+    alone = timed(compute)
+    out = {}
+    for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+        costs = []
+        for size in (1 << 16, 1 << 20, 1 << 22):
+            n = size // 4
+            x = torch.ones(n)
+            y = torch.empty(n * world) if kind == "all_gather" else torch.empty(n // world)
+            run = {"all_reduce": lambda: dist.all_reduce(x),
+                   "all_gather": lambda: dist.all_gather_into_tensor(y, x),
+                   "reduce_scatter": lambda: dist.reduce_scatter_tensor(y, x)}[kind]
+            counted = {"all_reduce": 2 * x.numel() * 4, "all_gather": y.numel() * 4,
+                       "reduce_scatter": x.numel() * 4}[kind]
+            costs.append((counted * (world - 1) / world, timed(lambda: (compute(), run())) - alone))
+        # least squares: seconds = latency + bytes / rate
+        mb = sum(b for b, _ in costs) / len(costs)
+        mt = sum(t for _, t in costs) / len(costs)
+        slope = sum((b - mb) * (t - mt) for b, t in costs) / sum((b - mb) ** 2 for b, _ in costs)
+        slope = max(slope, 1 / 16e9)  # noise can make it any value: no faster than a memory copy here
+        out[kind] = [max(0.0, mt - slope * mb), 1 / slope]
+    out["compute_s"] = alone  # the same work as alone in one process: what sharing the machine costs it
+    if rank == 0:
+        queue.put(out)
+    dist.destroy_process_group()
+
+
+def _compute_load():
+    """About 10 ms of matmuls: the load the ranks keep up while the collectives are timed."""
+    import torch
+    a, b = torch.randn(192, 192), torch.randn(192, 192)
+
+    def compute():
+        for _ in range(64):
+            a @ b
+    return compute
+
+
+def _measure_gloo():
+    """gloo's collectives at world 2 and 4 between processes forked from this one: {world: {collective: [latency
+    s, bus bytes/s (as tools/plan.py's collective time reads bytes)]}}."""
+    import multiprocessing
+    import socket
+    out = {}
+    ctx = multiprocessing.get_context("fork")
+    for world in (2, 4):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        queue = ctx.Queue()
+        ranks = [ctx.Process(target=_gloo_rank, args=(r, world, port, queue)) for r in range(world)]
+        for p in ranks:
+            p.start()
+        out[str(world)] = queue.get(timeout=120)
+        for p in ranks:
+            p.join(timeout=60)
+    return out
