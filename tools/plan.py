@@ -594,7 +594,8 @@ def spec(plan):
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     link = profile["gloo"]["2"]["all_reduce"][1]
     return {"peak": max(r[3] for r in profile["matmul"]["4"]), "memory": ram / min(plan.world, plan.gpus_per_node),
-            "hbm": 2 / profile["elementwise"]["4"]["copy"] * 4, "nvlink": link, "pcie": link}
+            # a float32 copy moves 8 bytes per element
+            "hbm": 8 / profile["elementwise"]["4"]["copy"], "nvlink": link, "pcie": link}
 
 
 def group_spans(layout, plan):
@@ -725,11 +726,12 @@ def step_time(layout, shape, accum, micro, seq, comm, knobs, ac, checkpointed, p
                                "comm": sum(t.values()), "each": t, "optimizer": optimizer}
 
 
-def collective_calls(key, layout, shape, accum, knobs, bucket=25 * 2 ** 20):
+def collective_calls(key, layout, shape, accum, knobs):
     """How many collectives of `key` (dim, collective) a step makes, for their latency (on a CPU): tensor
     parallelism's two all-reduces per block forward and two backward, and the embedding's and the loss's, each
     micro-step; FSDP's gathers per unit (a block each, and the root) and micro-step (twice with
-    reshard_after_forward), a reduce-scatter per unit; otherwise buckets of 25 MiB."""
+    reshard_after_forward), a reduce-scatter per unit; otherwise one (a model small enough for a CPU fills one
+    25 MiB bucket)."""
     dim, kind = key
     L = shape["n_layer"]
     if dim == "tp":

@@ -60,7 +60,8 @@ def overrides(row):
 
 
 def compare(rows=None, log=lambda *a: None):
-    """[{row, predicted, measured, ratio, how, problem}] for every bf16 (or unstated 16-bit) row."""
+    """[{row, predicted, measured, ratio, how, problem, mfu, flops_per_token}] for every bf16 (or unstated 16-bit)
+    row."""
     sys.path.insert(0, ROOT)
     import config
     from tools import plan
@@ -78,8 +79,9 @@ def compare(rows=None, log=lambda *a: None):
         except config.ConfigError as e:
             r["problem"] = str(e)
             continue
-        p = plan.predict(cfg, layout, plan=cfg.plan)
         shape = plan.model_shape(cfg)
+        p = plan.predict(cfg, layout, shape=shape, plan=cfg.plan)
+        r["flops_per_token"] = shape["flops_per_token"]
         r["measured"], r["how"] = measured_tokens(row, shape["flops_per_token"])
         r["predicted"] = p["tok_per_s"] / row["gpus"]
         r["mfu"] = p["mfu"]

@@ -26,7 +26,6 @@ Eager PyTorch spends host time on every op it dispatches (HOST_OPS per op, HOST_
 CPU). A GPU runs ahead of its host: an op takes the longer of its kernel and its dispatch. On a CPU both are the
 same core's time: they add.
 """
-import functools
 import json
 import math
 import os
@@ -132,14 +131,28 @@ def backward(ops):
 
 
 # --- devices
+def _kind(op):
+    """(the op's kind without "_backward", whether it is a backward op)."""
+    backward_op = op[0].endswith("_backward")
+    return (op[0][:-len("_backward")] if backward_op else op[0]), backward_op
+
+
+def _nearest_rate(rows, key, column, k):
+    """The rate in `column` of measured rows whose leading entries are nearest `key` in log space: a geometric mean
+    of the k nearest, weighted by inverse squared distance."""
+    def distance(row):
+        return sum((math.log2(u) - math.log2(v)) ** 2 for u, v in zip(key, row))
+    near = sorted(rows, key=distance)[:k]
+    weights = [1 / (1e-3 + distance(row)) for row in near]
+    return math.exp(sum(w * math.log(row[column]) for w, row in zip(weights, near)) / sum(weights))
+
+
 class Device:
     """Seconds for each op on one device; `cores` > 0 on a CPU (ranks beyond them share)."""
     name, cores, overlap = "device", 0, True
 
     def op_seconds(self, op, a, r):
-        kind = op[0]
-        backward_op = kind.endswith("_backward")
-        base = kind[:-len("_backward")] if backward_op else kind
+        base, backward_op = _kind(op)
         if base == "matmul":
             return self.matmul_s(*op[1:], a)
         if base == "attention":
@@ -147,9 +160,7 @@ class Device:
         return self.elementwise_s(op[1], op[2], a, r, backward_op)
 
     def host_ops(self, op):
-        kind = op[0]
-        backward_op = kind.endswith("_backward")
-        base = kind[:-len("_backward")] if backward_op else kind
+        base, backward_op = _kind(op)
         n = HOST_OPS[op[1] if base == "elementwise" else base][backward_op]
         if base == "elementwise" and op[1] == "loss":  # one chunk at a time (model.CrossEntropy)
             n *= max(1, math.ceil(op[2] * 4 / self.loss_chunk_bytes))
@@ -212,22 +223,13 @@ class CPU(Device):
         return max(1.0, ranks / self.cores) * measured["2"]
 
     def matmul_s(self, M, N, K, a):
-        rows = self.profile["matmul"][str(a)]
-        # the rate of the measured shapes nearest in log space (inverse-distance weights of the 4 nearest)
-        key = [math.log2(max(1, x)) for x in (M, N, K)]
-        near = sorted(rows, key=lambda row: sum((u - math.log2(v)) ** 2 for u, v in zip(key, row[:3])))[:4]
-        weights = [1 / (1e-3 + sum((u - math.log2(v)) ** 2 for u, v in zip(key, row[:3]))) for row in near]
-        rate = math.exp(sum(w * math.log(row[3]) for w, row in zip(weights, near)) / sum(weights))
+        # [M, N, K, FLOP/s] rows: the 4 measured shapes nearest
+        rate = _nearest_rate(self.profile["matmul"][str(a)], [max(1, x) for x in (M, N, K)], 3, 4)
         return 2 * M * N * K / rate
 
     def attention_s(self, flops, seq, head_dim, heads, a, backward_op):
-        rows = self.profile["attention"][str(a)]  # [seq, head_dim, forward FLOP/s, backward FLOP/s]
-        key = (math.log2(seq), math.log2(head_dim))
-        near = sorted(rows, key=lambda row: (key[0] - math.log2(row[0])) ** 2 + (key[1] - math.log2(row[1])) ** 2)[:2]
-        weights = [1 / (1e-3 + (key[0] - math.log2(row[0])) ** 2 + (key[1] - math.log2(row[1])) ** 2)
-                   for row in near]
-        rate = math.exp(sum(w * math.log(row[3 if backward_op else 2]) for w, row in zip(weights, near))
-                        / sum(weights))
+        # [seq, head_dim, forward FLOP/s, backward FLOP/s] rows: the 2 measured nearest
+        rate = _nearest_rate(self.profile["attention"][str(a)], (seq, head_dim), 3 if backward_op else 2, 2)
         return (2.5 if backward_op else 1.0) * flops / rate
 
     def elementwise_s(self, kind, n, a, r, backward_op):
@@ -260,6 +262,7 @@ SQUARES = (32, 128, 512)
 CPU_SHAPES = [(m, n, k) for m in (256, 1024, 4096) for n in SQUARES + (2048,) for k in SQUARES + (2048,)]
 CPU_ATTENTION = [(t, hd) for t in (128, 512, 2048) for hd in (32, 64, 128)]
 ELEMENTWISE_N = 1 << 20
+_PROFILES = {}  # cpu_profile's, by path
 
 
 def _timed(fn, min_time):
@@ -278,9 +281,12 @@ def cpu_profile(path=None, min_time=0.02, refresh=False, log=print):
     import torch
     cache = os.path.expanduser(os.environ.get("NANOPARALLEL_CACHE", "~/.cache/nanoparallel"))
     path = path or os.path.join(cache, f"cpu_profile-{platform.node()}-{os.cpu_count()}-{torch.__version__}.json")
+    if path in _PROFILES and not refresh:  # read once per process: the planner asks at every layout it prices
+        return _PROFILES[path]
     if os.path.exists(path) and not refresh:
         with open(path) as f:
-            return json.load(f)
+            _PROFILES[path] = json.load(f)
+        return _PROFILES[path]
     log(f"measuring this CPU for the step-time model (once, about 15 s): {path}")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -292,13 +298,13 @@ def cpu_profile(path=None, min_time=0.02, refresh=False, log=print):
     with open(path + ".tmp", "w") as f:
         json.dump(profile, f, indent=1)
     os.replace(path + ".tmp", path)
+    _PROFILES[path] = profile
     return profile
 
 
 def _measure_cpu(min_time):
     import torch
     import torch.nn.functional as F
-    import model
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     out = {"cores": cores, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "matmul": {},
            "attention": {}, "elementwise": {}}
