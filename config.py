@@ -89,6 +89,7 @@ class Parallel:
     pp_schedule: str = choice(*PP_SCHEDULES)
     pp_virtual: int = at_least(1)
     ep: int = at_least(1)
+    auto: bool = MISSING
 
 
 @dataclass
@@ -346,13 +347,11 @@ def rules(cfg, world, dtype, cpu_bf16=True, bf16=True):
     and the rule book (layout_problem), the sequence against the model's context, the vocabulary against the
     tokenizer's. Returns the Layout; raises ConfigError with one line. config.check applies them for this device,
     the planner (tools/plan.py) for the GPUs it plans, so both refuse a run with the same line."""
-    import hf
-    from data import prepare
-    hf.apply(cfg)  # train.init_from=hf:DIR: the shape from DIR/config.json (once; again is a no-op)
-    t, m = cfg.train, cfg.model
-    for problem in (check_model(m), check_optim(cfg.optim)):
-        if problem:
-            raise ConfigError(problem)
+    if cfg.parallel.get("auto"):  # train.py and tools/plan.py set the pick before they get here
+        raise ConfigError("parallel=auto picks a layout for a run of train.py; a dry run needs one: dry-run the "
+                          "planner's top picks with `python -m tools.plan parallel=auto plan.world=N plan.dry_run=3`")
+    run_rules(cfg)
+    t = cfg.train
     try:
         layout = Layout.from_config(cfg.parallel, world)
     except LayoutError as e:
@@ -365,13 +364,37 @@ def rules(cfg, world, dtype, cpu_bf16=True, bf16=True):
         raise ConfigError(f"train.eval_batch_size={eval_batch} is not divisible by micro_batch_size "
                           f"({t.micro_batch_size}) x data-parallel ranks ({layout.dp}): each rank evaluates its share "
                           f"of every val batch in micro-batches")
+    return layout
+
+
+def run_rules(cfg):
+    """The rules no layout decides: the model's, the optimizer's, the sequence against the model's context, the
+    vocabulary against the tokenizer's (what parallel=auto checks before it ranks any layout). Raises ConfigError."""
+    import hf
+    from data import prepare
+    hf.apply(cfg)  # train.init_from=hf:DIR: the shape from DIR/config.json (once; again is a no-op)
+    t, m = cfg.train, cfg.model
+    for problem in (check_model(m), check_optim(cfg.optim)):
+        if problem:
+            raise ConfigError(problem)
     if t.seq_len > m.block_size:
         raise ConfigError(f"train.seq_len={t.seq_len} is longer than the model's context (model.block_size="
                           f"{m.block_size})")
     if m.vocab_size is not None and m.vocab_size < prepare.vocab_size(cfg.data):
         raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's "
                           f"({prepare.vocab_size(cfg.data)}); leave it null to follow the tokenizer")
-    return layout
+
+
+def device_and_dtype(t):
+    """(device, dtype): train.device and train.dtype made concrete on this machine (auto: a GPU where torch sees one,
+    bf16 autocast where that GPU has it, else float32). Raises ConfigError where the machine can't do what was asked."""
+    if t.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda, but torch sees no CUDA device")
+    device = "cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu"
+    if t.dtype == "bfloat16" and not bf16_supported(device):
+        raise ConfigError(f"train.dtype=bfloat16, but this {device} can't compute in bfloat16; use train.dtype=float32")
+    return device, t.dtype if t.dtype != "auto" else ("bfloat16" if device == "cuda" and bf16_supported(device)
+                                                      else "float32")
 
 
 def check(cfg, world):
@@ -380,12 +403,7 @@ def check(cfg, world):
     from data import prepare, shards
     validate(cfg)
     t, d = cfg.train, cfg.data
-    if t.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device=cuda, but torch sees no CUDA device")
-    device = "cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu"
-    if t.dtype == "bfloat16" and not bf16_supported(device):
-        raise ConfigError(f"train.dtype=bfloat16, but this {device} can't compute in bfloat16; use train.dtype=float32")
-    dtype = t.dtype if t.dtype != "auto" else ("bfloat16" if device == "cuda" and bf16_supported(device) else "float32")
+    device, dtype = device_and_dtype(t)
     layout = rules(cfg, world, dtype, cpu_bf16=bf16_supported("cpu"), bf16=bf16_supported(device))
     if t.compile and compile_problem(device):
         raise ConfigError(compile_problem(device))

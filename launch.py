@@ -51,9 +51,15 @@ def _now():
 def _rank0_string(key, value):
     """Rank 0's `value` for `key`, on every rank that a torch elastic agent (torchrun, or several on several
     machines) started; `value` itself anywhere else. Cached: Hydra resolves the run dir more than once."""
+    return rank0_value(key, lambda: value)
+
+
+def rank0_value(key, compute):
+    """The string compute() returns on rank 0, on every rank that a torch elastic agent started (the others wait for
+    it, computing nothing); compute() itself anywhere else (one process; SLURM's tasks, which share no agent)."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world == 1 or "TORCHELASTIC_RUN_ID" not in os.environ:
-        return value
+        return compute()
     global _store
     rank = int(os.environ["RANK"])
     # the agent's rendezvous store, which every worker can reach; with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 rank 0
@@ -66,7 +72,7 @@ def _rank0_string(key, value):
     if rank == 0:
         # the first launch's value, also after torchrun restarts the workers (--max-restarts): the agent's store
         # outlives them, so a restarted run finds its run dir, and train.resume=auto its checkpoints
-        value = store.compare_set(key, "", value).decode()
+        value = store.compare_set(key, "", compute()).decode()
         _store = store
         return value
     return store.get(key).decode()
@@ -157,7 +163,17 @@ def process_group(layout, device, run_dir, rank):
         cuda = device.startswith("cuda")
         dist.init_process_group("nccl" if cuda else "gloo", device_id=torch.device(device) if cuda else None,
                                 **process_group_store())
-    dist.barrier()  # every rank has checked the run dir before rank 0 writes into it
+    # every rank has checked the run dir before rank 0 writes into it (this waits for all), and every rank builds the
+    # same mesh: ranks that planned parallel=auto apart (SLURM's tasks on machines measured differently) or were given
+    # different settings would otherwise wait forever on each other's groups
+    layouts = [None] * dist.get_world_size()
+    dist.all_gather_object(layouts, layout.record())
+    other = next((r for r, got in enumerate(layouts) if got != layouts[0]), None)
+    if other is not None:
+        said = [f"{r['parallel']} (pp={r['pp']} dp={r['dp']} cp={r['cp']} tp={r['tp']})" for r in layouts]
+        raise LaunchError(f"the ranks disagree on the layout: rank 0 would train {said[0]}, rank {other} "
+                          f"{said[other]} (different settings, or parallel=auto planned apart); set the layout "
+                          f"explicitly")
     if rank > 0 and owns:  # one console: the other ranks print to rank<k>.log in the run dir
         log_to_file(run_dir, rank)
     return owns, layout.build_mesh(device.split(":")[0])

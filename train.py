@@ -13,6 +13,7 @@ Bad settings stop the run with one line, `error: ...`, before any work and befor
 import contextlib
 import dataclasses
 import gc
+import json
 import math
 import os
 import sys
@@ -40,15 +41,43 @@ from parallel.comm import CommCounter
 from metrics import Meter, Metrics, mfu_peak, peak_memory_mb, profiler, router_record, start_record
 
 
-def check_config(cfg, run_dir, world):
-    """config.check's (layout, device, dtype, grad_accum), and the checkpoint to resume from (or None)."""
+def check_config(cfg, run_dir, world, say=print):
+    """config.check's (layout, device, dtype, grad_accum), the checkpoint to resume from (or None), and parallel=auto's
+    pick (or None), set in cfg before the checks."""
     hf.apply(cfg)  # train.init_from=hf:DIR: the model's shape from DIR/config.json, DIR's files checked
     resume = checkpoint.resume_from(cfg, run_dir)
+    auto = choose_layout(cfg, world, run_dir, say) if cfg.parallel.auto else None
     checked = config.check(cfg, world)
     if resume and cfg.parallel.impl == "deepspeed":  # saving works (parallel/zero_deepspeed.py); loading is not wired
         raise ConfigError(f"parallel.impl=deepspeed can't resume {resume}: resume it with parallel.impl=scratch or "
                           f"torch (any layout loads it), or set train.resume=none")
-    return (*checked, resume)
+    return (*checked, resume, auto)
+
+
+def choose_layout(cfg, world, run_dir, say):
+    """parallel=auto: the planner's pick for `world` ranks of this device (tools/plan.py choose: every layout,
+    micro-batch, checkpointing mode and schedule priced, the fastest that fits), set in cfg. Rank 0 plans and prints
+    the top 5; the others take its pick (launch.rank0_value): each planning alone could pick another layout where
+    they see the machine differently (a CPU's measured profile)."""
+    from tools import plan  # an instrument: it picks, this recipe trains the pick
+    config.validate(cfg)
+    config.run_rules(cfg)  # what no layout changes first: told as itself, before any device is measured
+    device, dtype = config.device_and_dtype(cfg.train)
+    rank = int(os.environ.get("RANK", 0))
+
+    def pick():
+        planned = cfg.copy()
+        planned.train.dtype = dtype  # what this run computes in (auto: float32 on a CPU)
+        try:
+            return json.dumps(plan.choose(planned, plan.cluster(planned, world, device),
+                                          log=say if rank == 0 else lambda *a: None))
+        except ConfigError as e:  # the other ranks stop with the same line
+            return json.dumps({"error": str(e)})
+    got = json.loads(launch.rank0_value(f"parallel_auto/{run_dir}", pick))  # (one key per run: tools/jobs.py)
+    if "error" in got:
+        raise ConfigError(got["error"])
+    plan.apply_choice(cfg, got["overrides"])
+    return got
 
 
 def lr_at(step, o, max_steps):
@@ -116,7 +145,7 @@ def evaluate(par, val, t, autocast, rank, world):
 def run(cfg, run_dir):
     # --- process group and mesh: torchrun sets RANK/WORLD_SIZE; plain `python train.py` is one process
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    layout, device, dtype, accum, resume = check_config(cfg, run_dir, world)
+    layout, device, dtype, accum, resume, auto = check_config(cfg, run_dir, world)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if device == "cuda":  # before the process group: NCCL binds each rank to its own GPU (SLURM may show each
         device = f"cuda:{local_rank % torch.cuda.device_count()}"  # task only its own: cuda:0)
@@ -181,7 +210,8 @@ def run(cfg, run_dir):
         OmegaConf.save(cfg, os.path.join(run_dir, conf), resolve=True)
 
     metrics = Metrics(cfg, run_dir, rank, wandb_id)
-    metrics.log(start_record(start, cfg, par, n_params, flops_per_token, accum, dtype, mem_before_model))
+    metrics.log({**start_record(start, cfg, par, n_params, flops_per_token, accum, dtype, mem_before_model),
+                 **({"auto": auto} if auto else {})})  # parallel=auto: its candidates beside the pick's name
     print0(f"model: {n_params / 1e6:.2f}M parameters, vocab {mcfg.vocab_size} (padded {mcfg.padded_vocab_size}) | "
            f"data: {len(train_tokens):,} train / {len(val_tokens):,} val tokens | {device} {dtype} | "
            f"{world} rank(s) {layout.name} ({layout.describe()}), grad accumulation {accum} | run dir {run_dir}")
@@ -307,7 +337,9 @@ def main(cfg):
         if problem:
             raise ConfigError(problem)
         if cfg.launcher.nproc_per_node:
-            check_config(cfg, run_dir, cfg.launcher.nproc_per_node * cfg.launcher.nnodes)  # before starting ranks
+            # before starting ranks; on a copy: under parallel=auto the ranks pick (the same) again, and record it
+            check_config(cfg.copy(), run_dir, cfg.launcher.nproc_per_node * cfg.launcher.nnodes,
+                         say=lambda *a: None)
             launch.launch(run, cfg, run_dir, cfg.launcher)
         else:
             launch.ranks_from_submitit()

@@ -62,6 +62,28 @@ def small_run(*overrides):
             *overrides]
 
 
+def fake_cpu_profile():
+    """A made-up CPU profile (tools/step_time.py cpu_profile's keys, rates of this order) where cpu_profile looks for
+    this machine's, in the session's cache: the planner's CPU path (plan.gpu=cpu, parallel=auto on a CPU) without
+    its 15 s measurement. Returns it."""
+    import json
+    from tools import step_time
+    rates = lambda r: [[m, n, k, r * (1 + (m * n * k) ** (1 / 3) / 512)] for m in (64, 1024) for n in (64, 1024)  # noqa
+                       for k in (64, 1024)]
+    per = {kind: 2e-9 for kind in step_time.ELEMENTWISE}
+    gloo = {"all_reduce": [1e-3, 2e9], "all_gather": [5e-4, 7e8], "reduce_scatter": [1e-3, 5e8]}
+    profile = {"cores": 2, "host_op_s": 3e-6, "shared": {"2": 1.1, "4": 2.2},
+               "matmul": {"4": rates(20e9), "2": rates(10e9)},
+               "attention": {a: [[128, 32, 30e9, 30e9], [1024, 64, 40e9, 40e9]] for a in ("4", "2")},
+               "elementwise": {"4": per, "2": per}, "gloo": {"2": gloo, "4": gloo}}
+    path = step_time.profile_path()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(profile, f)
+    step_time._PROFILES.pop(path, None)
+    return profile
+
+
 REFUSED = {}  # {run dir: line}: the launches' jobs whose settings train.py refused (tools/jobs.py main)
 
 

@@ -107,6 +107,29 @@ def test_sweep_of_multi_rank_jobs(sweep, single):
     assert names[0] != names[1]
 
 
+def test_parallel_auto_trains_its_pick(tmp_path, single):
+    """`python train.py parallel=auto launcher.nproc_per_node=2`: the launcher checks (silently), rank 0 of the
+    launched ranks plans on this CPU (a made-up profile here) and prints the top 5 once, both ranks train its pick
+    (the one tools/plan.py choose makes in this process), metrics.jsonl holds the pick's name and the candidates, the
+    saved config the concrete layout, and the losses are parallel=single's."""
+    from tools import plan
+    from conftest import fake_cpu_profile
+    fake_cpu_profile()
+    run_dir = str(tmp_path / "run")
+    p = ok(train_py(*small_run(*RUN), "parallel=auto", "launcher.nproc_per_node=2", f"hydra.run.dir={run_dir}"))
+    assert p.stdout.count("parallel=auto picks") == 1
+    cfg = make_cfg(*small_run(*RUN), "parallel=auto", "launcher.nproc_per_node=2", "train.dtype=float32")
+    expected = plan.choose(cfg, plan.cluster(cfg, 2, "cpu"), log=lambda *a: None)
+    first = read_metrics(run_dir)[0]
+    assert first["auto"]["overrides"] == expected["overrides"] and first["auto"]["candidates"] == \
+        expected["candidates"]
+    assert first["parallel"] == expected["candidates"][0]["parallel"] and first["world_size"] == 2
+    saved = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
+    assert not saved.parallel.auto and saved.train.micro_batch_size == expected["candidates"][0]["micro_batch_size"]
+    torch.testing.assert_close(losses(run_dir), losses(single), rtol=1e-4, atol=0)
+    assert_rank_logs(run_dir, 2)
+
+
 def test_killed_rank_fails_only_its_job(tmp_path):
     """Job 0 would run for minutes: kill its rank 1 (pid from its log) and the job fails, saying so; job 1 runs."""
     sweep_dir = str(tmp_path / "s")

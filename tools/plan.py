@@ -43,8 +43,10 @@ tensor parallelism) and N the data-parallel ranks:
   pp groups span nodes first (pp is the mesh's outermost dimension). The rank with the most memory is reported.
 tests/test_plan.py checks state and comm against real runs' counters at world sizes 1, 2 and 4.
 """
+import copy
 import dataclasses
 import functools
+import itertools
 import math
 import os
 import sys
@@ -753,18 +755,25 @@ def compute_time(layout, shape, accum, micro, seq, knobs, ac, checkpointed, plan
     residual = DTYPE_BYTES[knobs["param_dtype"]] if act_bytes == 2 else 4
     moe = shape.get("moe_blocks", 0)
     ops = lambda is_moe: step_time_model.block_ops(shape, tokens, seq, tp, is_moe, layout.ep, autocast)  # noqa
-    blocks = ops(False) * (L - moe) + (ops(True) * moe if moe else [])
+    # (ops, times): each kind of block priced once, the L blocks as multiples of it
+    blocks = [(ops(False), L - moe)] + ([(ops(True), moe)] if moe else [])
     head = step_time_model.head_ops(shape, tokens, tp, autocast) if shape.get("last", True) else []
-    forward = blocks + head
-    run = lambda o: dev.time(o, act_bytes, residual, compiled)  # noqa: E731
-    fwd, bwd = run(forward), run(step_time_model.backward(forward))
+
+    def run(parts):
+        device = host = 0.0
+        for o, times in parts:
+            d, h = dev.seconds(o, act_bytes, residual, compiled)
+            device, host = device + times * d, host + times * h
+        return dev.combine(device, host)
+    fwd = run(blocks + [(head, 1)])
+    bwd = run([(step_time_model.backward(o), n) for o, n in blocks + [(head, 1)]])
     if ac == "selective":  # the element-wise ops again
-        recompute = checkpointed * run([o for o in blocks if o[0] == "elementwise"])
+        recompute = checkpointed * run([([x for x in o if x[0] == "elementwise"], n) for o, n in blocks])
     else:
         recompute = checkpointed * run(blocks)
     P = params_per_rank(shape, tp, layout.ep)
     owned = P / layout.shard_ranks if layout.strategy in ("zero1", "zero2", "fsdp") else P
-    optimizer = run([("elementwise", "adamw", owned), ("elementwise", "add", (accum - 1) * P)])
+    optimizer = run([([("elementwise", "adamw", owned), ("elementwise", "add", (accum - 1) * P)], 1)])
     if dev.cores:  # a CPU's ranks on one machine share its cores
         slow = dev.shared(min(layout.world, plan.gpus_per_node))
         fwd, bwd, recompute, optimizer = (x * slow for x in (fwd, bwd, recompute, optimizer))
@@ -1020,6 +1029,186 @@ def candidates(world, plan, impl="scratch", experts=0):
                         for k in range(2, min(stage, n) + 1) if stage % k == 0 and n % k == 0)
 
 
+# --- parallel=auto: the planner picks the layout
+AC_MODES = ("none", "selective", "full")
+# under pipeline parallelism, each schedule (parallel/pp.py) with its stages per rank
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1))
+# plan.gpu=auto on a GPU: the first row whose part torch.cuda.get_device_name() contains
+GPU_NAMES = (("H100 PCIe", "h100_pcie"), ("H100", "h100"), ("H200", "h200"), ("A100-SXM4-40GB", "a100_40gb"),
+             ("A100-PCIE-40GB", "a100_40gb"), ("A100", "a100"), ("B200", "b200"), ("MI300X", "mi300x"),
+             ("L40S", "l40s"))
+TOP = 5  # the candidates parallel=auto prints and records
+
+
+class Settings(dict):
+    """A config as nested plain dicts that read as OmegaConf's do (cfg.train.seq_len, cfg.parallel.get(...))."""
+
+    def __getattr__(self, key):
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    __setattr__ = dict.__setitem__
+
+    @classmethod
+    def of(cls, cfg):
+        from omegaconf import OmegaConf
+        wrap = lambda x: cls({k: wrap(v) for k, v in x.items()}) if isinstance(x, dict) else x  # noqa: E731
+        return wrap(OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else cfg)
+
+
+def cluster(cfg, world, device):
+    """cfg.plan made concrete for a run of train.py on `world` ranks of `device` (cpu | cuda): plan.gpu=auto is the
+    device's row (a GPU by its name, with the memory torch reports for it), the world is the run's, and a node is
+    torchrun's LOCAL_WORLD_SIZE (else launcher.nproc_per_node, else the world). Raises ConfigError with one line."""
+    from omegaconf import OmegaConf
+    p = OmegaConf.to_container(cfg.plan, resolve=True)
+    if p["gpu"] == "auto":
+        if device == "cpu":
+            p["gpu"] = "cpu"
+        else:
+            name = torch.cuda.get_device_name()
+            p["gpu"] = next((key for part, key in GPU_NAMES if part in name), None)
+            if p["gpu"] is None:
+                raise config.ConfigError(f"parallel=auto: tools/plan.py GPUS has no row for {name!r}; name the nearest "
+                                         f"as plan.gpu ({', '.join(GPUS)}) and set plan.peak_tflops, plan.hbm_tbps")
+            p["memory_gb"] = p["memory_gb"] or torch.cuda.get_device_properties(0).total_memory / 1e9
+    p["world"], p["rank"] = world, False
+    p["gpus_per_node"] = p["gpus_per_node"] or int(os.environ.get("LOCAL_WORLD_SIZE") or
+                                                   cfg.launcher.nproc_per_node or world)
+    plan = OmegaConf.create(p)
+    problem = check_plan(plan)
+    if problem:
+        raise config.ConfigError(f"parallel=auto: {problem}")
+    return plan
+
+
+def auto_rows(cfg, shape, plan, timed=True):
+    """(every candidate the rule book and the cluster accept, predicted, fastest first among those that fit; the
+    refused ones as (what, why)). A candidate is a Layout of candidates() with a micro-batch (every divisor of the
+    rank's share of the batch that also splits the eval batch), an activation-checkpointing mode (AC_MODES) and,
+    under pipeline parallelism, a schedule (SCHEDULES); the other knobs stay cfg's. timed=False: memory alone
+    (no step time; rows in no order)."""
+    # each candidate's micro-batch, checkpointing and schedule set in a copy, as train.py would; plain dicts, as
+    # thousands of candidates read settings millions of times (an OmegaConf read costs some 20 us, a dict's 0.1)
+    c, plan = Settings.of(cfg), Settings.of(plan)
+    t, p = c.train, c.parallel
+    eval_batch = t.eval_batch_size or t.global_batch_size
+    rows, refused = [], []
+    usable = plan.usable_memory * spec(plan)["memory"]
+    for layout in candidates(plan.world, plan, p.impl, shape.get("n_experts", 0)):
+        problem = cluster_problem(layout, plan)
+        if problem:
+            refused.append((f"{layout.name} ({layout.describe()})", problem))
+            continue
+        per_rank = t.global_batch_size // layout.dp if t.global_batch_size % layout.dp == 0 else None
+        micros = [m for m in range(1, per_rank + 1) if per_rank % m == 0 and eval_batch % (m * layout.dp) == 0] \
+            if per_rank else [t.micro_batch_size]  # (the rule book says why the batch doesn't split)
+        schedules = SCHEDULES if layout.pp > 1 else ((p.pp_schedule, p.pp_virtual),)
+        for micro, ac, (schedule, virtual) in itertools.product(micros, AC_MODES, schedules):
+            t.micro_batch_size, t.activation_checkpointing = micro, ac
+            p.pp_schedule, p.pp_virtual = schedule, virtual
+            problem = rule_book(c, layout)
+            if problem:
+                refused.append((f"{layout.name} ({layout.describe()}), micro-batch {micro}, AC {ac}"
+                                + (f", {schedule}" if layout.pp > 1 else ""), problem))
+                continue
+            row = predict(c, layout, ac, shape, plan if timed else None)
+            row["fits"] = row["total_memory"] <= usable
+            rows.append({**row, "micro": micro, "schedule": schedule, "virtual": virtual})
+    rows.sort(key=lambda r: (not r["fits"], r.get("step_s", 0), r["total_memory"]))
+    return rows, refused
+
+
+def auto_overrides(row, short=False):
+    """The settings that make a run train `row` (one of auto_rows), as train.py's overrides; short: only those a
+    person would type (no degree of 1, no schedule without a pipeline)."""
+    lay = row["layout"]
+    out = [f"parallel.data={lay.data}", f"parallel.pp={lay.pp}", f"parallel.dp={lay.dp}", f"parallel.cp={lay.cp}",
+           f"parallel.tp={lay.tp}", f"parallel.dp_shard={lay.dp_shard}", f"parallel.dp_replicate={lay.dp_replicate}",
+           f"parallel.ep={lay.ep}", f"parallel.pp_schedule={row['schedule']}", f"parallel.pp_virtual={row['virtual']}",
+           f"train.micro_batch_size={row['micro']}", f"train.activation_checkpointing={row['ac']}"]
+    if not short:
+        return out
+    implied = {"parallel.pp=1", "parallel.cp=1", "parallel.tp=1", "parallel.ep=1", "parallel.dp_replicate=1",
+               f"parallel.dp_shard={lay.dp}", f"parallel.dp={lay.world // (lay.pp * lay.cp * lay.tp)}"}
+    if lay.pp == 1 or row["schedule"] != "interleaved_1f1b":
+        implied |= {f"parallel.pp_virtual={row['virtual']}"}
+    if lay.pp == 1:
+        implied |= {f"parallel.pp_schedule={row['schedule']}"}
+    return [o for o in out if o not in implied]
+
+
+def apply_choice(cfg, overrides):
+    """Set auto's pick (auto_overrides) in cfg: from here on the run is that layout, parallel.auto false."""
+    from omegaconf import OmegaConf
+    cfg.merge_with(OmegaConf.from_dotlist([*overrides, "parallel.auto=false"]))
+
+
+def row_record(r):
+    """One candidate as metrics.jsonl and the printed table hold it."""
+    return {"parallel": r["layout"].name, "layout": r["layout"].describe(), "micro_batch_size": r["micro"],
+            "activation_checkpointing": r["ac"], "pp_schedule": r["schedule"] if r["pp"] > 1 else None,
+            "memory_gb": r["total_memory"] / 1e9, "step_s": r["step_s"], "tok_per_s": r["tok_per_s"], "fits": r["fits"],
+            "overrides": auto_overrides(r)}
+
+
+def choose(cfg, plan, log=print):
+    """parallel=auto: rank every candidate (auto_rows) on `plan`'s cluster and pick the fastest predicted that fits.
+    Logs the top TOP with their memory and step time, and returns {"overrides": the pick's (auto_overrides),
+    "candidates": the top TOP (row_record), counts}. Raises ConfigError (one line) where nothing fits."""
+    cfg = copy.deepcopy(cfg)
+    config.run_rules(cfg)  # what no layout changes is told as itself, not as every layout refused
+    shape = model_shape(cfg)
+    rows, refused = auto_rows(cfg, shape, plan)
+    fit = [r for r in rows if r["fits"]]
+    if not fit:
+        raise config.ConfigError(nothing_fits(cfg, shape, plan, rows, refused))
+    top = [row_record(r) for r in fit[:TOP]]
+    usable = plan.usable_memory * spec(plan)["memory"] / 1e9
+    lines = [f"parallel=auto on {plan.world} x {plan.gpu} ({usable:.1f} GB usable per rank): {len(rows)} candidates "
+             f"ranked (layouts x micro-batch x activation checkpointing x pipeline schedule), {len(fit)} fit, "
+             f"{len(refused)} refused by the rule book; the fastest predicted step that fits, first:",
+             f"  {'':2s} {'parallel':12s} {'layout':34s} {'micro':>5s} {'AC':9s} {'schedule':16s} {'memory GB':>9s} "
+             f"{'step ms':>9s} {'tokens/s':>10s}"]
+    for i, r in enumerate(top, 1):
+        lines.append(f"  {i:<2d} {r['parallel']:12s} {r['layout']:34s} {r['micro_batch_size']:>5d} "
+                     f"{r['activation_checkpointing']:9s} {r['pp_schedule'] or '-':16s} {r['memory_gb']:>9.2f} "
+                     f"{r['step_s'] * 1e3:>9.1f} {r['tok_per_s']:>10,.0f}")
+    best = fit[0]
+    lines.append(f"parallel=auto picks {best['layout'].name} ({best['layout'].describe()}), micro-batch "
+                 f"{best['micro']}, activation checkpointing {best['ac']}"
+                 + (f", {best['schedule']}" if best["pp"] > 1 else "") + ": "
+                 + " ".join(auto_overrides(best, short=True)))
+    log("\n".join(lines))
+    return {"device": plan.gpu, "world": plan.world, "ranked": len(rows), "fit": len(fit), "refused": len(refused),
+            "overrides": auto_overrides(best), "candidates": top}
+
+
+def nothing_fits(cfg, shape, plan, rows, refused):
+    """The one line for parallel=auto where no candidate fits: the smallest predicted peak, and the smallest world
+    (up to 16x) where one would (memory alone, with micro-batch 1 and full checkpointing among the candidates)."""
+    if not rows:
+        what, why = refused[0] if refused else ("every layout", "none")
+        return f"parallel=auto: the rule book refuses every layout on {plan.world} ranks, e.g. {what}: {why}"
+    small = min(rows, key=lambda r: r["total_memory"])
+    usable = plan.usable_memory * spec(plan)["memory"]
+    more = None
+    for k in (2, 4, 8, 16):
+        bigger = copy.deepcopy(plan)
+        bigger.world, bigger.memory_gb = plan.world * k, spec(plan)["memory"] / 1e9  # (a CPU's: shared by its ranks)
+        if any(r["fits"] for r in auto_rows(cfg, shape, bigger, timed=False)[0]):
+            more = bigger.world
+            break
+    return (f"parallel=auto: nothing fits in {usable / 1e9:.1f} GB per rank on {plan.world} x {plan.gpu}: the smallest "
+            f"predicted peak is {small['total_memory'] / 1e9:.1f} GB ({small['layout'].name}, "
+            f"{small['layout'].describe()}, micro-batch {small['micro']}, activation checkpointing {small['ac']}); "
+            + (f"{more} ranks would fit it" if more else f"not even {16 * plan.world} ranks would fit it")
+            + " (smaller micro-batches and full checkpointing are already among the candidates), or a shorter "
+              "train.seq_len or a smaller model")
+
+
 # --- the command
 def check_plan(plan):
     if plan.gpu not in DEVICES:
@@ -1204,10 +1393,52 @@ def main(argv):
     except Exception as e:  # Hydra's own message: unknown group option, bad override syntax, missing key
         sys.exit(f"error: {str(e).splitlines()[0]}")
     try:
+        picked = pick(cfg) if cfg.parallel.auto else None
         layout = check(cfg)
     except config.ConfigError as e:
         sys.exit(f"error: {e}")
     print(report(cfg, model_shape(cfg), layout))
+    if picked and cfg.plan.dry_run:
+        print(confirm(picked, cfg.plan.dry_run, argv))
+
+
+def pick(cfg):
+    """`python -m tools.plan parallel=auto`: choose on plan.*'s cluster, print the top 5, set the pick in cfg (the
+    report below is then the pick's). Returns choose's summary."""
+    import hf
+    problem = check_plan(cfg.plan)
+    if problem:
+        raise config.ConfigError(problem)
+    config.validate(cfg)
+    hf.apply(cfg)  # (the shape choose plans is the HF folder's; run_rules would set it on choose's copy only)
+    picked = choose(cfg, cfg.plan)
+    apply_choice(cfg, picked["overrides"])
+    cfg.plan.rank = False  # choose has ranked them
+    print()
+    return picked
+
+
+def confirm(picked, k, argv):
+    """The memory of auto's top k, measured by dry runs at plan.world (tools/dry_run.py: rank 0 under the fake
+    process group, fake tensors: sizes exact, nothing computed) beside the planner's, as a markdown table."""
+    from tools import dry_run
+    world = picked["world"]
+    lines = [f"dry runs of parallel=auto's top {k} at world {world} (rank 0, fake tensors), measured / planner GB:",
+             "| # | parallel | layout | micro | AC | state | peak model state | activations (one micro-batch) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for i, cand in enumerate(picked["candidates"][:k], 1):
+        cfg = compose([a for a in argv if not a.startswith("parallel=")])  # the same run, the pick's layout
+        apply_choice(cfg, [*cand["overrides"], f"dry_run.world={world}", "dry_run.rank=0", "dry_run.compute=fake",
+                           "launcher.nproc_per_node=null"])  # (one process: plan.yaml's node size is the cluster's)
+        layout, device, dtype, accum, compute, predicted = dry_run.check(cfg)
+        print(f"dry run {i} of {k}: {cand['parallel']} ({cand['layout']}) ...", file=sys.stderr, flush=True)
+        m = dry_run.measure(cfg, layout, 0, compute, device, dtype, accum, steps=1)
+        got = {what: f"{a / 1e9:.4g} / {b / 1e9:.4g} ({dry_run.ratio(a, b)})" for what, a, b in
+               dry_run.compare(m, predicted)}
+        lines.append(f"| {i} | {cand['parallel']} | {cand['layout']} | {cand['micro_batch_size']} | "
+                     f"{cand['activation_checkpointing']} | {got['state']} | {got.get('peak model state', '-')} | "
+                     f"{got['activations (one micro-batch)']} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ Eager PyTorch spends host time on every op it dispatches (HOST_OPS per op, HOST_
 CPU). A GPU runs ahead of its host: an op takes the longer of its kernel and its dispatch. On a CPU both are the
 same core's time: they add.
 """
+import fcntl
 import json
 import math
 import os
@@ -175,7 +176,10 @@ class Device:
         return device, host
 
     def time(self, ops, a, r, compiled=False):
-        device, host = self.seconds(ops, a, r, compiled)
+        return self.combine(*self.seconds(ops, a, r, compiled))
+
+    def combine(self, device, host):
+        """A step's time from its device and host seconds: the host queues ahead of a GPU, a CPU does both."""
         return max(device, host) if self.overlap else device + host
 
 
@@ -274,30 +278,40 @@ def _timed(fn, min_time):
     return (time.perf_counter() - t0) / n
 
 
+def profile_path():
+    """Where cpu_profile keeps this machine's measurements."""
+    import torch
+    cache = os.path.expanduser(os.environ.get("NANOPARALLEL_CACHE", "~/.cache/nanoparallel"))
+    return os.path.join(cache, f"cpu_profile-{platform.node()}-{os.cpu_count()}-{torch.__version__}.json")
+
+
 def cpu_profile(path=None, min_time=0.02, refresh=False, log=print):
     """This machine's CPU as the step-time model needs it, measured on one thread (as each rank of a run with
     OMP_NUM_THREADS=1 computes) in about 15 s and cached (`path`, default $NANOPARALLEL_CACHE/cpu_profile-*.json,
     keyed by machine and torch)."""
-    import torch
-    cache = os.path.expanduser(os.environ.get("NANOPARALLEL_CACHE", "~/.cache/nanoparallel"))
-    path = path or os.path.join(cache, f"cpu_profile-{platform.node()}-{os.cpu_count()}-{torch.__version__}.json")
+    path = path or profile_path()
     if path in _PROFILES and not refresh:  # read once per process: the planner asks at every layout it prices
         return _PROFILES[path]
-    if os.path.exists(path) and not refresh:
-        with open(path) as f:
-            _PROFILES[path] = json.load(f)
-        return _PROFILES[path]
-    log(f"measuring this CPU for the step-time model (once, about 15 s): {path}")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        profile = _measure_cpu(min_time)
-    finally:
-        torch.set_num_threads(threads)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(profile, f, indent=1)
-    os.replace(path + ".tmp", path)
+    # one process measures, the others of this machine wait for its file (processes that measured at once would
+    # slow each other down, and could see different machines)
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(path) and not refresh:
+            with open(path) as f:
+                _PROFILES[path] = json.load(f)
+            return _PROFILES[path]
+        log(f"measuring this CPU for the step-time model (once, about 15 s): {path}")
+        import torch
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            profile = _measure_cpu(min_time)
+        finally:
+            torch.set_num_threads(threads)
+        with open(path + ".tmp", "w") as f:
+            json.dump(profile, f, indent=1)
+        os.replace(path + ".tmp", path)
     _PROFILES[path] = profile
     return profile
 
