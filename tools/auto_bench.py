@@ -58,6 +58,7 @@ def run(out, world, n, overrides, log=print):
     cfg = plan.compose([*overrides, *RUN, "parallel=auto"], "config")
     try:
         config.validate(cfg)
+        config.run_rules(cfg)
         cfg.train.dtype = config.device_and_dtype(cfg.train)[1]
         cluster = plan.cluster(cfg, world, "cpu")
         rows = [r for r in plan.auto_rows(cfg, plan.model_shape(cfg), cluster)[0] if r["fits"]]

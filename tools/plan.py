@@ -1132,7 +1132,7 @@ def auto_overrides(row, short=False):
     if not short:
         return out
     implied = {"parallel.pp=1", "parallel.cp=1", "parallel.tp=1", "parallel.ep=1", "parallel.dp_replicate=1",
-               f"parallel.dp_shard={lay.dp}", f"parallel.dp={lay.world // (lay.pp * lay.cp * lay.tp)}"}
+               f"parallel.dp_shard={lay.dp}", f"parallel.dp={lay.dp}"}  # (dp null: what the others leave)
     if lay.pp == 1 or row["schedule"] != "interleaved_1f1b":
         implied |= {f"parallel.pp_virtual={row['virtual']}"}
     if lay.pp == 1:
@@ -1157,9 +1157,8 @@ def row_record(r):
 def choose(cfg, plan, log=print):
     """parallel=auto: rank every candidate (auto_rows) on `plan`'s cluster and pick the fastest predicted that fits.
     Logs the top TOP with their memory and step time, and returns {"overrides": the pick's (auto_overrides),
-    "candidates": the top TOP (row_record), counts}. Raises ConfigError (one line) where nothing fits."""
-    cfg = copy.deepcopy(cfg)
-    config.run_rules(cfg)  # what no layout changes is told as itself, not as every layout refused
+    "candidates": the top TOP (row_record), counts}. Raises ConfigError (one line) where nothing fits. The caller
+    has applied config.run_rules (train.py before it measures any device)."""
     shape = model_shape(cfg)
     rows, refused = auto_rows(cfg, shape, plan)
     fit = [r for r in rows if r["fits"]]
@@ -1197,7 +1196,7 @@ def nothing_fits(cfg, shape, plan, rows, refused):
     more = None
     for k in (2, 4, 8, 16):
         bigger = copy.deepcopy(plan)
-        bigger.world, bigger.memory_gb = plan.world * k, spec(plan)["memory"] / 1e9  # (a CPU's: shared by its ranks)
+        bigger.world = plan.world * k
         if any(r["fits"] for r in auto_rows(cfg, shape, bigger, timed=False)[0]):
             more = bigger.world
             break
@@ -1405,12 +1404,11 @@ def main(argv):
 def pick(cfg):
     """`python -m tools.plan parallel=auto`: choose on plan.*'s cluster, print the top 5, set the pick in cfg (the
     report below is then the pick's). Returns choose's summary."""
-    import hf
     problem = check_plan(cfg.plan)
     if problem:
         raise config.ConfigError(problem)
     config.validate(cfg)
-    hf.apply(cfg)  # (the shape choose plans is the HF folder's; run_rules would set it on choose's copy only)
+    config.run_rules(cfg)  # what no layout changes is told as itself, not as every layout refused
     picked = choose(cfg, cfg.plan)
     apply_choice(cfg, picked["overrides"])
     cfg.plan.rank = False  # choose has ranked them
