@@ -12,6 +12,16 @@ held before the model existed (mem_mb_before_model): the interpreter and torch's
 planner leaves them out. The planner's column is tools/plan.py's total for the run (state, transient,
 activations, backward buffers). Losses: the largest relative gap of any step's loss to single's at that length.
 Printed as markdown and written into a new folder under --out.
+
+Two settings make the rows comparable on a CPU (both measured 2026-12-06, gpt_tiny at 16,384 tokens):
+- Every job runs one thread per process (OMP_NUM_THREADS=1): single is one device against cp's cp devices, as on
+  GPUs. torchrun leaves a one-process job every core: single then ran at 2,050 tokens/s on 2 threads against
+  1,120 on one, and cp=2 on the same 2 cores at 1,630-2,020.
+- glibc's malloc serves every allocation over 128 KiB by its own mmap (MALLOC_MMAP_THRESHOLD_), so that a freed
+  activation leaves the process at once. By default the threshold grows to the largest block freed (up to 32 MiB)
+  and the heap keeps what it served, fragmented: the peak RSS then measured the heap's high-water mark, not the
+  tensors (single 1,036 MiB, cp=2 ring 656; with the setting 894 and 487, beside the planner's 838 and 435). It
+  costs a few percent of speed (page faults on fresh memory), alike for every row.
 """
 import argparse
 import json
@@ -25,8 +35,13 @@ from tools.bench import ROOT, run_one
 LAYOUTS = [(1, None), (2, "ring"), (2, "allgather"), (4, "ring"), (4, "allgather")]  # (cp, method); 1: single
 
 
-def rows(seqs, cps, overrides, log=print):
-    """One dict per (tokens, layout), single first at each length."""
+JOB_ENV = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(128 << 10)}  # the module docstring: why
+
+
+def rows(seqs, cps, overrides, log=print, data="ddp"):
+    """One dict per (tokens, layout), single first at each length. `data`: the cp rows' data-parallel strategy over
+    dp x cp (fsdp: the weights, gradients and optimizer state sharded over the cp ranks too)."""
+    os.environ.update(JOB_ENV)  # inherited by every torchrun job below
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         for seq in seqs:
@@ -35,7 +50,7 @@ def rows(seqs, cps, overrides, log=print):
                 run = ["model.block_size=%d" % seq, f"train.seq_len={seq}", "train.global_batch_size=1",
                        "train.micro_batch_size=1", "train.max_steps=3", "train.log_every=1", *overrides]
                 if cp > 1:
-                    run += [f"parallel.cp={cp}", f"parallel.cp_method={method}"]
+                    run += [f"parallel.cp={cp}", f"parallel.cp_method={method}", f"parallel.data={data}"]
                 run_dir = os.path.join(tmp, f"{seq}-{cp}-{method}")
                 t0 = time.time()
                 start, tok_s, last = run_one("single" if cp == 1 else "cp", None, cp, run, run_dir)
@@ -43,7 +58,8 @@ def rows(seqs, cps, overrides, log=print):
                     losses = [r["loss"] for r in map(json.loads, f) if "loss" in r and "tok_per_s" in r]
                 from tools import plan
                 predicted = plan.predict_run(run_dir)
-                row = {"tokens": seq, "layout": "single" if cp == 1 else f"cp={cp} {method}", "tok_per_s": tok_s,
+                name = "single" if cp == 1 else f"cp={cp} {method}" + ("" if data == "ddp" else f" {data}")
+                row = {"tokens": seq, "layout": name, "tok_per_s": tok_s,
                        "peak_mib": last["peak_mem_mb"] - start["mem_mb_before_model"],
                        "planner_mib": predicted["total_memory"] / 2**20, "losses": losses}
                 base = base or row
@@ -70,6 +86,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     ap.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4], help="degrees (1: single, always first)")
+    ap.add_argument("--data", default="ddp", choices=["ddp", "zero1", "zero2", "fsdp"],
+                    help="the cp rows' data-parallel strategy (fsdp also shards the state over the cp ranks)")
     ap.add_argument("--out", default=os.path.join(ROOT, "outputs", "long_context"))
     ap.add_argument("overrides", nargs="*", help="train.py overrides for every job, e.g. model=llama_tiny")
     a = ap.parse_args()
@@ -78,7 +96,7 @@ def main():
         sys.exit("error: --cp takes 1 (single, needed as the baseline), 2 and 4; --seq at least 64 tokens")
     out = os.path.join(a.out, time.strftime("%Y-%m-%d_%H-%M-%S"))
     os.makedirs(out)  # a new folder: never overwrites an earlier table
-    table = markdown(rows(a.seq, set(a.cp), a.overrides))
+    table = markdown(rows(a.seq, set(a.cp), a.overrides, data=a.data))
     print(table)
     with open(os.path.join(out, "long_context.md"), "w") as f:
         f.write(table + "\n")

@@ -6,7 +6,8 @@ plan.gpu=cpu (tools/step_time.py's model on this CPU's measured constants). Prin
     python -m tools.step_bench --out /tmp/sb --shapes 2   # the first two shapes only
 
 A run's measured step is the median of its logged steps after the first (warm-up) one; the ratio of medians is what
-noise leaves steady (tests/test_step_time.py holds each within 0.85-1.15). Writes step_bench.json and .md to --out.
+noise leaves steady. Not a test yet: the issue's band of 0.85-1.15 holds for most runs, not all (docs/planning.md).
+Writes step_bench.json and .md to --out.
 """
 import argparse
 import json
