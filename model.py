@@ -20,8 +20,10 @@ Design choices:
 - Speed, eager: RMSNorm, RoPE and the loss are autograd Functions of their own (RMSNormFn, Rope, CrossEntropy),
   each one node that keeps less and writes fewer fresh tensors than the aten ops autograd would compose; on the
   CPU fresh large tensors cost page faults, and that is most of what these save. Compiled, the same math as plain
-  ops, which the compiler fuses itself (faster there than the Functions, measured). With tests/test_model.py
-  checking them against torch's, `python -m tools.model_bench` timing us against a plain GPT-2: docs/benchmarks.md.
+  ops, which the compiler fuses itself (faster there than the Functions, measured). The head and the loss are one
+  Function eager and compiled (Head, LinearCrossEntropy): the logits are made a chunk of rows at a time and never
+  exist whole. With tests/test_model.py checking them against torch's, `python -m tools.model_bench` timing us
+  against a plain GPT-2: docs/benchmarks.md.
 - Mixture of experts (MoE): with n_experts > 0, every moe_every-th block after the first dense_layers has a routed
   mixture of n_experts MLPs (each token to its top_k, plus n_shared_experts every token passes through) in the
   MLP's place; the class's docstring says how it routes, balances and drops.
@@ -202,7 +204,9 @@ CPU_CHUNK_BYTES, GPU_CHUNK_BYTES = 1 << 22, 1 << 28
 
 
 class CrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of logits (N, V) against targets (N,), the softmax in float32 (or wider), as one autograd
+    """Mean cross-entropy of logits (N, V) against targets (N,), where the logits exist whole (the model's own loss
+    fuses the head in: LinearCrossEntropy; torch's pipeline schedules hand a stage's logits to model.loss), the
+    softmax in float32 (or wider), as one autograd
     node that keeps the logits (in their own dtype) and each row's log-sum-exp. Composed of aten ops (F.cross_entropy
     of the float32 logits), autograd keeps the whole float32 log-softmax, and backward writes two more N x V
     tensors; here backward writes the gradient over the saved logits, which nothing else reads (the head's matmul
@@ -233,6 +237,75 @@ class CrossEntropy(torch.autograd.Function):
         logits.view(-1)[torch.arange(logits.size(0), device=logits.device) * logits.size(1) + targets] -= scale
         ctx.done = logits, grad
         return logits, None
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """The head's matmul and the mean cross-entropy of its logits as one autograd node, over chunks of rows: each
+    chunk's logits, log-sum-exp (in float32 or wider) and gradient (softmax - onehot) are made and used at once, and
+    the gradients of the hidden states (N x d) and of the weight (V x d) computed in forward and kept, where the
+    logits would be N x V. The logits never exist whole: on a CPU a whole step's logits are fresh pages on every
+    step (vocab 4096 at 2,048 tokens: 32 MiB, more than glibc's heap serves), and their first touch cost more than
+    the plain GPT-2 saves on its head (docs/benchmarks.md); at long context they were the largest activation.
+    Backward scales what forward kept: called twice through a kept graph (zero-bubble's W after its B,
+    parallel/pp.py), it gives the same gradients again. Under autocast each chunk's matmuls run in the compute dtype,
+    as the head's would; the weight's gradient is summed over the chunks in float32."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets):
+        loss, dh, dw = linear_cross_entropy(h, weight, targets, grads=True)
+        ctx.save_for_backward(dh, dw)
+        ctx.weight_dtype = weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        dh, dw = ctx.saved_tensors
+        return dh * grad.to(dh.dtype), (dw * grad).to(ctx.weight_dtype), None
+
+
+def linear_cross_entropy(h, weight, targets, grads=False):
+    """(mean cross-entropy of h @ weight.T against targets, and where `grads` the gradients of h and weight, or
+    None, None), over chunks of rows of CPU_CHUNK_BYTES / GPU_CHUNK_BYTES float32 logits."""
+    chunk = CPU_CHUNK_BYTES if h.device.type == "cpu" else GPU_CHUNK_BYTES
+    N, rows = h.size(0), max(1, chunk // (4 * weight.size(0)))
+    wide = torch.promote_types(h.dtype, torch.float32)
+    total = torch.zeros((), dtype=wide, device=h.device)
+    dh = torch.empty_like(h) if grads else None
+    dw = torch.zeros(weight.shape, dtype=wide, device=weight.device) if grads else None
+    for lo in range(0, N, rows):  # each chunk's tensors freed before the next chunk's are made (del)
+        hc, tc = h[lo:lo + rows], targets[lo:lo + rows]
+        z = hc @ weight.t()  # the compute dtype (autocast's, if on)
+        dtype, logits = z.dtype, z.to(wide)
+        del z
+        lse = torch.logsumexp(logits, dim=-1)
+        total += (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
+        if grads:  # d loss / d logits = (softmax - onehot) / N, in the compute dtype
+            logits.sub_(lse[:, None]).exp_()[torch.arange(logits.size(0), device=logits.device), tc] -= 1
+            g = logits.div_(N).to(dtype)
+            del logits
+            if g.dtype == dw.dtype == weight.dtype == h.dtype:  # float32: written in place, no products besides
+                torch.mm(g, weight, out=dh[lo:lo + rows])
+                dw.addmm_(g.t(), hc)
+            else:
+                dh[lo:lo + rows] = g @ weight.to(dtype)
+                dw += g.t() @ hc.to(dtype)
+            del g
+        else:
+            del logits
+    return total / N, dh, dw
+
+
+class Head(nn.Linear):
+    """The output layer: called with the final hidden states alone, the logits; with targets as well, the mean
+    cross-entropy of its logits by LinearCrossEntropy (a forward without gradients runs its chunks alone)."""
+
+    def forward(self, h, targets=None):
+        if targets is None:
+            return super().forward(h)
+        h, targets = h.reshape(-1, h.size(-1)), targets.reshape(-1)
+        if torch.is_grad_enabled() and (h.requires_grad or self.weight.requires_grad):
+            return LinearCrossEntropy.apply(h, self.weight, targets)
+        return linear_cross_entropy(h, self.weight, targets)[0]
 
 
 def causal_attention(q, k, v):
@@ -468,7 +541,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg, cfg.is_moe(i)) for i in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-        self.head = nn.Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False)
+        self.head = Head(cfg.n_embd, cfg.padded_vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.wte.weight  # one parameter, named wte.weight (named_parameters keeps the first)
         cos, sin = rope_tables(cfg, device=self.wte.weight.device)
@@ -525,10 +598,14 @@ class GPT(nn.Module):
         cos, sin = self.rope(idx.size(1), positions)
         for block in self.blocks:
             x = block(x, cos, sin)
-        logits = self.head(self.norm(x))
-        if targets is None:
-            return logits
-        return self.loss(logits, targets)
+        h = self.norm(x)
+        return self.head(h) if targets is None else self.head_loss(h, targets)
+
+    def head_loss(self, h, targets):
+        """The mean loss from the final hidden states: the head and the loss in one (Head, LinearCrossEntropy), so
+        that the logits never exist whole. A strategy that puts its own `loss` in place (tensor parallelism's over
+        the vocabulary, parallel/tp.py) puts `loss(head(h), targets)` here."""
+        return self.head(h, targets)
 
     def rope(self, T, positions=None):
         """The RoPE tables (cos, sin) of T tokens at `positions`, or at 0..T-1."""
@@ -537,8 +614,9 @@ class GPT(nn.Module):
         return self.rope_cos[positions], self.rope_sin[positions]
 
     def loss(self, logits, targets):
-        """Mean cross-entropy over all positions, in float32. A method of its own so that a strategy which splits
-        the vocabulary across ranks can put its own in place (parallel/tp.py)."""
+        """Mean cross-entropy of logits over all positions, in float32: where the logits exist whole (torch's
+        pipeline schedules take a stage's output and a loss function apart). A method of its own so that a strategy
+        which splits the vocabulary across ranks can put its own in place (parallel/tp.py)."""
         logits, targets = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)
         if torch.compiler.is_compiling():
             return F.cross_entropy(logits.float(), targets)

@@ -223,7 +223,7 @@ def apply_activation_checkpointing(model, mode, every=1):
 def apply_compile(model, tensor_parallel=False, split_backward=False):
     """torch.compile the largest pieces of the model that hold none of the strategies' communication, so that every
     collective stays outside the graphs, where the strategies overlap it and parallel/comm.py counts it:
-    - each block's forward and the loss. The instance's forward, not the module's __call__: hooks on a block (FSDP's
+    - each block's forward and the head's (with the loss: model.Head, LinearCrossEntropy). The instance's forward, not the module's __call__: hooks on a block (FSDP's
       gathers, DDP's and ZeRO's bucket hooks on its parameters) stay outside, so each block's backward is a graph
       of its own and its buckets start reducing while earlier blocks' backward runs. Compiling the whole model puts
       all of backward in one graph: every bucket is ready only at its end, and nothing overlaps; under our FSDP,
@@ -254,5 +254,6 @@ def apply_compile(model, tensor_parallel=False, split_backward=False):
         return model
     for block in model.blocks:
         block.forward = torch.compile(block.forward)
-    model.loss = torch.compile(model.loss)
+    if model.head is not None:  # a pipeline stage but the last has none
+        model.head.forward = torch.compile(model.head.forward)  # the head with the loss (model.LinearCrossEntropy)
     return model

@@ -359,8 +359,8 @@ class Pipeline:
             x = m.blocks._modules[str(i)](x, cos, sin)
         if not c["last"]:
             return x
-        logits = m.head(m.norm(x))
-        return logits if targets is None else m.loss(logits, targets)
+        h = m.norm(x)
+        return m.head(h) if targets is None else m.head_loss(h, targets)
 
     # --- point-to-point
     def _stage(self, chunk):

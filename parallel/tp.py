@@ -221,6 +221,7 @@ def shard(model, group, sequence_parallel=False):
             return VocabParallelCrossEntropy.apply(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
                                                    vocab_lo, group)
         model.loss = loss
+        model.head_loss = lambda h, targets: model.loss(model.head(h), targets)  # the logits of this rank's slice
     if model.wte is not None and model.head is not None:
         # called without targets (sampling), the whole model returns the full logits: gather the vocab slices. A
         # pipeline stage is called without targets for every activation it passes on, and no stage sees both the
@@ -366,6 +367,7 @@ def apply_torch_tp(model, mesh, p, device):
     # loss_parallel shards torch's own cross-entropy over the vocab, not the model's fused one (model.CrossEntropy)
     model.loss = lambda logits, targets: torch.nn.functional.cross_entropy(
         logits.float().flatten(0, -2), targets.reshape(-1))
+    model.head_loss = lambda h, targets: model.loss(model.head(h), targets)
     # the loss comes back as a replicated DTensor: hand the loop a plain tensor (its gradient flows through
     # to_local); called without targets (sampling), the model returns the full logits, not a vocab-sharded DTensor
     model.register_forward_hook(lambda m, args, kwargs, out: out.to_local() if has_targets(args, kwargs)

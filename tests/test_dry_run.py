@@ -161,7 +161,7 @@ def test_real_tensors_measure_what_fake_ones_do():
     (["dry_run.world=100", "parallel=fsdp_tp", "parallel.tp=8"],
      "dry_run.world=100: parallel.tp=8 must divide the number of ranks (100)"),
     (["parallel=ddp", "dry_run.compute=real"], "dry_run.compute=real: rank 0's state, transient and activations "
-                                               "need 19.8 GB (tools/plan.py), over dry_run.memory_gb=4; use "
+                                               "need 19.9 GB (tools/plan.py), over dry_run.memory_gb=4; use "
                                                "dry_run.compute=fake"),
     (["parallel=zero1", "parallel.impl=torch"], "parallel.data=zero1 parallel.impl=torch: torch's "
                                                 "DistributedDataParallel does not run under the fake process group"),

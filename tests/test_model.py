@@ -173,6 +173,57 @@ def test_fused_ops_equal_torchs():
     assert torch.autograd.gradcheck(lambda z: CrossEntropy.apply(z * 1, torch.arange(6) % 11), (z,))
 
 
+@pytest.mark.quick
+def test_fused_head_and_loss_equal_torchs(monkeypatch):
+    """model.Head called with targets (the head's matmul and the loss in one Function, LinearCrossEntropy, over chunks
+    of rows) against the head's logits and torch's cross-entropy composed by autograd: the loss and the gradients of
+    the hidden states and the weight, float32 and under bf16 autocast, over several chunks (a 1 KiB chunk: 3 rows of
+    a 70-wide vocab) and one; no gradients asked, the loss alone; two backwards through a kept graph (zero-bubble's
+    W after its B) give the same gradients; gradcheck in float64; and the whole model's loss and gradients equal
+    the unfused path's (head, then model.loss)."""
+    import model
+    from model import GPT, Head, LinearCrossEntropy
+    F = torch.nn.functional
+    torch.manual_seed(0)
+    head = Head(24, 70, bias=False)
+    h = torch.randn(2, 10, 24, requires_grad=True)
+    targets = torch.randint(0, 70, (2, 10))
+    for chunk in (1 << 10, 1 << 22):
+        monkeypatch.setattr(model, "CPU_CHUNK_BYTES", chunk)
+        for autocast, tol in ((False, dict(rtol=1e-5, atol=1e-6)), (True, dict(rtol=2e-2, atol=2e-3))):
+            with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+                loss = head(h, targets)
+                ref = F.cross_entropy(head(h).float().flatten(0, 1), targets.flatten())
+            got = torch.autograd.grad(loss * 3, (h, head.weight), retain_graph=True)
+            again = torch.autograd.grad(loss * 3, (h, head.weight))
+            want = torch.autograd.grad(ref * 3, (h, head.weight))
+            torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+            for a, b, c in zip(got, again, want):
+                assert a.dtype == c.dtype
+                torch.testing.assert_close(a, c, **tol)
+                torch.testing.assert_close(b, a, rtol=0, atol=0)
+        with torch.no_grad():
+            torch.testing.assert_close(head(h, targets), F.cross_entropy(head(h).flatten(0, 1), targets.flatten()))
+    monkeypatch.setattr(model, "CPU_CHUNK_BYTES", 256)  # 2 rows of 11
+    z, w = (torch.randn(*s, dtype=torch.float64, requires_grad=True) for s in ((5, 7), (11, 7)))
+    assert torch.autograd.gradcheck(lambda z, w: LinearCrossEntropy.apply(z, w, torch.arange(5) % 11), (z, w))
+
+    monkeypatch.setattr(model, "CPU_CHUNK_BYTES", 1 << 12)
+    m = GPT(GPTConfig(vocab_size=200, n_layer=2, n_head=2, n_embd=32, block_size=16))
+    m.init_weights()
+    x, y = torch.randint(0, 200, (3, 16)), torch.randint(0, 200, (3, 16))
+    fused = m(x, y)
+    grads = torch.autograd.grad(fused, list(m.parameters()))
+    cos, sin = m.rope(16)
+    hidden = m.wte(x)
+    for block in m.blocks:
+        hidden = block(hidden, cos, sin)
+    plain = m.loss(m.head(m.norm(hidden)), y)
+    torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-6)
+    for a, b in zip(grads, torch.autograd.grad(plain, list(m.parameters()))):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
 def test_loss_kernels_per_step_on_a_gpu():
     """The loss over gpt_125m's logits at micro-batch 64 (65,536 x 50,304, bf16), on meta tensors (no GPU needed:
     the ops dispatched; every device but the CPU takes the GPU's chunk), runs in float32 chunks of at most 256 MiB:

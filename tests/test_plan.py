@@ -514,7 +514,8 @@ def test_real_ranks_keep_what_fake_tensors_count():
     assert real[0] == fake[0]
     assert real[1] == pytest.approx(fake[1], rel=0.05)
     one = act_memory.measure(1, **args)
-    assert real[0] - 8 * 2 * 128 == pytest.approx((one[0] - 8 * 2 * 256) / 2, rel=0.02)  # the token ids aside
+    dw = 512 * 64 * 4  # the head's weight gradient the fused loss keeps (model.LinearCrossEntropy): whole on each rank
+    assert real[0] - 8 * 2 * 128 - dw == pytest.approx((one[0] - 8 * 2 * 256 - dw) / 2, rel=0.02)  # and the ids
 
 
 # (checkpointing, dtype) pairs, each with one cp layout and one length in turn: every mode, dtype, cp degree,
@@ -529,7 +530,8 @@ def test_activation_memory_equals_planner(ac, dtype, cp, method, seq):
     """The planner's activation memory per rank (kept, and the high-water mark through backward: kept + the block
     recomputed + the backward's buffers) against what torch's MemTracker measures on a gpt_tiny-shaped rank, one
     sequence. Kept is exact to 0.1% (the log-sum-exp, the RoPE tables' copies, the token ids all counted); the peak
-    within 5% (measured 2026-12-03, the full grid of tools/act_memory.py, 2k, 8k and 32k tokens: at most 4.6% off)."""
+    within 5% (measured 2026-12-06 with the head and loss fused, the full grid of tools/act_memory.py, 2k, 8k and
+    32k tokens: at most 6.1% off but one row at 2k, docs/context_parallel.md; these cases at most 5%)."""
     kept, peak = act_memory.measure(cp, method, seq=seq, ac=ac, dtype=dtype)
     p_kept, p_peak = act_memory.planned(cp, method, seq=seq, ac=ac, dtype=dtype)
     assert kept == pytest.approx(p_kept, rel=1e-3)

@@ -170,7 +170,7 @@ COMPILED = ["ddp", "zero2", "fsdp", "tp"]
 
 def test_training_steps_run_compiled(tmp_path):
     """train.compile=true: every micro-step's loss comes through n_layer + 1 compiled graphs (each block and the
-    loss; under tensor parallel, each block's attention and MLP: 2 n_layer), every frame dynamo saw compiled (none
+    head with the loss; under tensor parallel, each block's attention and MLP: 2 n_layer), every frame dynamo saw compiled (none
     fell back to eager) with no graph break, and the losses and gradient norms track eager parallel=single's within
     1e-5 relative (inductor fuses, so the float32 rounding differs: up to 2e-7 seen), for single and, at world 2,
     our ddp, zero2, fsdp and tp. On tests/test_matrix.py's model (its compiled cases prove every strategy equal to

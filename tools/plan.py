@@ -388,8 +388,10 @@ def activation_bytes(shape, micro, seq, act_bytes, tp=1, sequence_parallel=False
       tables cast to the compute dtype (2 b s head_dim); MLP, f hidden units: GELU's up's and GELU's outputs
       (2 b s f: 8 b s d), SwiGLU's four wide tensors (4 b s f): gate's output (silu's input), silu's and up's
       outputs (the product's operands), the product (down's input)
-      the loss (model.CrossEntropy): the logits in their dtype and each row's float32 log-sum-exp (b s V + 4 b s
-      bytes); under tensor parallelism the vocab-parallel loss keeps the float32 softmax of its slice (b s V / tp)
+      the head and the loss (model.LinearCrossEntropy, one Function over chunks of rows): the gradients of the
+      final norm's output and of the head's weight, computed in forward (b s d in the residual's dtype, V d
+      float32), no logits; under tensor parallelism the head keeps the final norm's output (above) and the
+      vocab-parallel loss the float32 softmax of its slice (b s V / tp)
     Tensor parallelism splits attention, MLP and logits over tp; the norms' tensors are whole on every rank unless
     sequence parallelism splits them too: then each norm keeps its b (s/tp) d input and statistic (its output is
     all-gathered, and the gathered whole-sequence b s d is what the column-parallel matmul after it keeps: qkv's, the
@@ -415,8 +417,11 @@ def activation_bytes(shape, micro, seq, act_bytes, tp=1, sequence_parallel=False
     n_moe = min(shape.get("moe_blocks", 0), L)
     moe = block - wide * hidden * ab / tp * micro * seq + moe_activation_bytes(shape, micro * seq, ab, ep, tp) \
         if n_moe else 0
-    loss = V * 4 / tp if tp > 1 else V * ab + 4
-    end = (norm + loss) * micro * seq * shape.get("last", True)  # pp: only the last stage
+    if tp > 1:  # the head's input as the norm's output (above), the vocab-parallel loss's float32 softmax slice
+        end = (norm + V * 4 / tp) * micro * seq
+    else:  # the final norm's own tensors, and what the fused head and loss keep: dh per token and dW (float32)
+        end = (d * rb + 4 + d * rb) * micro * seq + V * d * 4
+    end *= shape.get("last", True)  # pp: only the last stage
     n_ckpt = round(checkpointed * L)
     ckpt = moe_ckpt = d * rb / norm_split * micro * seq  # a checkpointed block's input
     if selective:  # the matmuls' outputs (qkv, proj, up (and gate), down) and the attention's, kept; the rest recomputed
@@ -433,7 +438,7 @@ def activation_bytes(shape, micro, seq, act_bytes, tp=1, sequence_parallel=False
                 shared > 0)
             moe_ckpt += saved_moe * micro * seq
             moe -= saved_moe * micro * seq
-    ids = 8 * micro * seq * (1 + ring_attention)  # the token ids the embedding keeps (int64); under cp its targets too
+    ids = 8 * micro * seq  # the token ids the embedding keeps (int64)
     # checkpointing takes blocks of either kind alike (every_n: the mean block)
     mean = ((L - n_moe) * block + n_moe * moe) / L if L else 0
     mean_ckpt = ((L - n_moe) * ckpt + n_moe * moe_ckpt) / L if L else 0
@@ -469,12 +474,16 @@ def backward_bytes(shape, micro, seq, act_bytes, cp=1, method="ring", tp=1, resi
     activation_bytes' pair) before it frees it: the high-water mark of one micro-batch's activation memory is
     activations + this (tools/act_memory.py measures it). The largest of the moments where backward holds the most
     (measured on fake tensors, 2026-12-03), each with everything forward kept still alive:
-      the end of forward, in the loss: below float32, a chunk of the logits cast to float32 (model.CrossEntropy:
-        `loss_chunk` bytes at most, by default a GPU's, model.GPU_CHUNK_BYTES); and `cached`, what lives until
-        forward ends and no longer: autocast's cache of bf16 weights (every block's, the checkpointed ones' too,
-        until the autocast context exits)
-      the head's backward: its weight's gradient as the matmul writes it (V d / tp in the compute dtype) and,
-        below float32, its float32 copy for .grad, until the gradient is accumulated; its input's gradient (b s d)
+      the end of forward, in the loss: the fused head and loss's chunk (model.LinearCrossEntropy: `loss_chunk`
+        bytes of float32 logits at most, by default a GPU's, model.GPU_CHUNK_BYTES): its logits in the compute
+        dtype and, below float32, their float32 copy and the gradient cast back, or the gradient beside a V x d
+        product for dW; under tensor parallelism, below float32, a chunk of the logits cast to float32
+        (model.CrossEntropy's); and `cached`, what lives until forward ends and no longer: autocast's cache of
+        bf16 weights (every block's, the checkpointed ones' too, until the autocast context exits)
+      the head's backward: the fused loss's dh and dW scaled (b s d, V d float32) and dW cast to half-precision
+        weights; under tensor parallelism the weight's gradient as the matmul writes it (V d / tp in the compute
+        dtype) and, below float32, its float32 copy for .grad, until the gradient is accumulated; its input's
+        gradient (b s d)
       the final norm's backward (model.RMSNormFn): its float32 arithmetic, three b s d temporaries and, below
         float32, the incoming gradient cast to float32
       the last block's MLP backward, on top of the block recomputed: the gradient of the MLP's hidden units
@@ -485,16 +494,27 @@ def backward_bytes(shape, micro, seq, act_bytes, cp=1, method="ring", tp=1, resi
         kernel's gradients (on 2 ranks, at the last step: its own and the one computed beside the kernel's, then
         the one arriving); the all-gather's, the whole sequence's dK, dV (the reduce-scatter's input) beside a
         block kernel's gradients, then beside its own slice
-    The model's weights' gradients otherwise belong to the state (state_bytes); the loss's gradient overwrites the
-    saved logits (model.CrossEntropy)."""
+    The model's weights' gradients otherwise belong to the state (state_bytes); the head's backward frees what the
+    fused loss kept (dh, dW). Measured against tools/act_memory.py's grid at 2k and 8k tokens on 2026-12-06, after
+    the head and loss were fused: at most 6.1% off (the all-gather's bf16 rows), but 11% over at 2k tokens, full
+    checkpointing, cp=4 all-gather (docs/context_parallel.md)."""
     V, last = shape["vocab"], shape.get("last", True)
     d, kv, hidden, wide, _ = dims(shape)
     ab, rb, t = act_bytes, residual_bytes, micro * (seq // cp)
     low = ab < 4  # a float32 copy of a half-precision gradient
-    forward = cached + min(t * V / tp * 4, loss_chunk or GPU_CHUNK_BYTES) * low * last
-    head = (V * d / tp * (ab + 4 * low) + t * d * ab) * last
+    if tp > 1:
+        forward = cached + min(t * V / tp * 4, loss_chunk or GPU_CHUNK_BYTES) * low * last
+        head = (V * d / tp * (ab + 4 * low) + t * d * ab) * last
+    else:  # the fused head and loss: one chunk's logits (and below float32 their float32 copy and the gradient
+        # cast back), and a chunk's product for dW; backward: dh and dW scaled, dW cast to a half-precision weight
+        chunk = min(t, max(1, (loss_chunk or GPU_CHUNK_BYTES) // (4 * V))) * V  # logits in one chunk
+        forward = cached + max(chunk * (4 + ab * low), chunk * ab + V * d * ab * low) * last
+        head = (t * d * rb + V * d * (4 + rb * (rb < 4))) * last
     norm = t * d * 4 * (3 + low) * last
-    mlp = recompute + t * (hidden * ab / tp + d * 4 - (d * rb + 4 + d * ab) * last)
+    # freed once the head's backward is done: the final norm's input and statistic, and the head's input (tp) or
+    # the fused loss's dh and dW
+    done = (t * (d * rb + 4 + (d * ab if tp > 1 else d * rb)) + (V * d * 4 if tp == 1 else 0)) * last
+    mlp = recompute + t * (hidden * ab / tp + d * 4) - done
     attention = 0
     if cp > 1:
         kv_b = 2 * kv / tp * t  # elements of one rank's K, V
@@ -504,9 +524,10 @@ def backward_bytes(shape, micro, seq, act_bytes, cp=1, method="ring", tp=1, resi
             held = 2 * kv_b * ab + 4 * kv_b * 4 + kernel
         elif method == "ring":  # the last step: no K, V incoming; the kernel's gradients freed before the third
             held = kv_b * ab + max(2 * kv_b * 4 + kernel, 3 * kv_b * 4)
-        else:  # every rank's dK, dV with the block kernel's, then its own slice beside them
-            held = max(cp * kv_b * 4 + kernel, (cp + 1) * kv_b * 4)
-        attention = recompute + t * d / tp * (4 + ab) + held - freed
+        else:  # every rank's dK, dV with the block kernel's, then its own slice beside them, then the returned
+            # gradients cast to the compute dtype, below float32, beside both (dQ's, dK's, dV's)
+            held = max(cp * kv_b * 4 + kernel, (cp + 1) * kv_b * 4 + (t * d / tp + kv_b) * ab * low)
+        attention = recompute + t * d / tp * (4 + ab) + held - freed - (V * d * 4 if tp == 1 else 0) * last
     return max(0, max(forward, head, norm, mlp, attention) - recompute)
 
 
@@ -577,7 +598,9 @@ def autocast_copy_bytes(shape, P, tp, checkpointed=0.0):
     d, L = shape["n_embd"], shape["n_layer"]
     embedding = shape["vocab"] * d / tp if shape.get("first", True) else 0  # pp: the first stage's
     recast = round(checkpointed * L) * ((dims(shape)[4] - 2 * d) / tp)  # checkpointed blocks' matmul weights
-    return 2 * (P - embedding - (2 * L + shape.get("last", True)) * d - recast)
+    # the head's weight too where the head and loss are one Function (model.LinearCrossEntropy: its casts are its own)
+    head = shape["vocab"] * d if tp == 1 and shape.get("last", True) else 0
+    return 2 * (P - embedding - head - (2 * L + shape.get("last", True)) * d - recast)
 
 
 # --- time

@@ -48,7 +48,9 @@ SMS = {"h100": 132, "h100_pcie": 114, "h200": 132, "a100": 108, "a100_40gb": 108
 # reads the gradient and x and writes three float32 temporaries and dx. Rope writes x cos, then adds two halves in
 # place. The MLP's activation reads and writes its wide tensor (SwiGLU: silu(gate) x up, two inputs). A residual
 # add reads two and writes one; its backward passes the gradient on. The loss (model.CrossEntropy) per logit: a
-# float32 copy of each chunk, a log-sum-exp of two passes; backward rewrites the logits through four float32 passes.
+# float32 copy of each chunk, a log-sum-exp of two passes; backward rewrites the logits through four float32 passes
+# (model.LinearCrossEntropy, the model's own since 2026-12-06, makes the same passes over each chunk, all in
+# forward; the profile still times CrossEntropy's: not re-measured).
 # A cast (autocast's copy of a float32 weight): reads 4, writes 2.
 ELEMENTWISE = {"norm": (lambda a, r: (r + a + 8, a + 2 * r + 24)),
                "rope": (lambda a, r: (4 * a, 4 * a)),
