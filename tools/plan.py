@@ -58,7 +58,7 @@ import config
 from tools import step_time as step_time_model
 from parallel.layout import DATA_STRATEGIES, Layout
 from data import prepare
-from model import GPT, GPU_CHUNK_BYTES
+from model import CPU_CHUNK_BYTES, GPT, GPU_CHUNK_BYTES
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -958,8 +958,11 @@ def _predict(cfg, layout, ac, shape, plan):
               "autocast copies": autocast_copy_bytes(shape, P, tp, checkpointed) if act_bytes == 2 and
               knobs["param_dtype"] == "float32" else 0}
     cached = autocast_copy_bytes(shape, P, tp) - memory["autocast copies"] if memory["autocast copies"] else 0
+    # the loss's chunk (model.py): a CPU's where the plan is for this CPU or the run ran on one (predict_run)
+    cpu = (plan is not None and plan.gpu == "cpu") or str(t.get("device", "auto")).startswith("cpu")
     memory["backward buffers"] = backward_bytes(shape, t.micro_batch_size, t.seq_len, act_bytes, cp, method, tp,
-                                                residual, recompute, cached)
+                                                residual, recompute, cached,
+                                                loss_chunk=CPU_CHUNK_BYTES if cpu else GPU_CHUNK_BYTES)
     # as parallel/comm.py files them: beside cp the data strategy reduces over dp x cp (HSDP: dp_shard x cp)
     dims = {"dp": "dp_cp", "dp_shard": "dp_shard_cp"} if cp > 1 else {}
     # dp_shard and dp_replicate as the theory sees them: the ranks of a shard (dp x cp, HSDP's dp_shard) and of a
@@ -995,6 +998,7 @@ def predict_run(run_dir, plan=None):
         start = json.loads(f.readline())
     cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
     cfg.train.dtype = start["dtype"]  # what the run resolved `auto` to (the planner otherwise assumes a GPU's bf16)
+    cfg.train.device = start["device"]  # and where it ran (the loss's chunk: model.py)
     return predict(cfg, Layout(**{f.name: start[f.name] for f in dataclasses.fields(Layout)}), plan=plan)
 
 
