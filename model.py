@@ -203,6 +203,12 @@ class RMSNorm(nn.RMSNorm):
 CPU_CHUNK_BYTES, GPU_CHUNK_BYTES = 1 << 22, 1 << 28
 
 
+def chunk_rows(device, vocab):
+    """Rows of `vocab`-wide float32 logits in one of the loss's chunks on `device` (CPU_CHUNK_BYTES on a CPU,
+    GPU_CHUNK_BYTES elsewhere)."""
+    return max(1, (CPU_CHUNK_BYTES if device.type == "cpu" else GPU_CHUNK_BYTES) // (4 * vocab))
+
+
 class CrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of logits (N, V) against targets (N,), where the logits exist whole (the model's own loss
     fuses the head in: LinearCrossEntropy; torch's pipeline schedules hand a stage's logits to model.loss), the
@@ -215,8 +221,7 @@ class CrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets):
-        chunk = CPU_CHUNK_BYTES if logits.device.type == "cpu" else GPU_CHUNK_BYTES
-        rows = max(1, chunk // (4 * logits.size(1)))
+        rows = chunk_rows(logits.device, logits.size(1))
         wide = torch.promote_types(logits.dtype, torch.float32)
         lse = torch.cat([torch.logsumexp(c.to(wide), dim=-1) for c in logits.split(rows)])
         picked = logits.gather(1, targets[:, None]).squeeze(1).to(wide)
@@ -266,8 +271,7 @@ class LinearCrossEntropy(torch.autograd.Function):
 def linear_cross_entropy(h, weight, targets, grads=False):
     """(mean cross-entropy of h @ weight.T against targets, and where `grads` the gradients of h and weight, or
     None, None), over chunks of rows of CPU_CHUNK_BYTES / GPU_CHUNK_BYTES float32 logits."""
-    chunk = CPU_CHUNK_BYTES if h.device.type == "cpu" else GPU_CHUNK_BYTES
-    N, rows = h.size(0), max(1, chunk // (4 * weight.size(0)))
+    N, rows = h.size(0), chunk_rows(h.device, weight.size(0))
     wide = torch.promote_types(h.dtype, torch.float32)
     total = torch.zeros((), dtype=wide, device=h.device)
     dh = torch.empty_like(h) if grads else None

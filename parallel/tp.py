@@ -220,8 +220,7 @@ def shard(model, group, sequence_parallel=False):
         def loss(logits, targets):
             return VocabParallelCrossEntropy.apply(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
                                                    vocab_lo, group)
-        model.loss = loss
-        model.head_loss = lambda h, targets: model.loss(model.head(h), targets)  # the logits of this rank's slice
+        put_loss(model, loss)
     if model.wte is not None and model.head is not None:
         # called without targets (sampling), the whole model returns the full logits: gather the vocab slices. A
         # pipeline stage is called without targets for every activation it passes on, and no stage sees both the
@@ -257,6 +256,13 @@ def pad_sequence_for_sampling(model, tp):
         return out if has_targets(args, kwargs) else out[:, :length]
     model.register_forward_pre_hook(pad, with_kwargs=True)
     model.register_forward_hook(trim, with_kwargs=True)
+
+
+def put_loss(model, loss):
+    """`loss` over this rank's logits in the model's place (model.GPT.loss), and the head before it where the model
+    fuses the two (GPT.head_loss: the fused loss would compute over this rank's vocabulary slice alone)."""
+    model.loss = loss
+    model.head_loss = lambda h, targets: loss(model.head(h), targets)
 
 
 def has_targets(args, kwargs):
@@ -365,9 +371,8 @@ def apply_torch_tp(model, mesh, p, device):
                     DTensor.from_local(a, mesh, [Replicate()], run_check=False) for a in args),
                     output_fn=lambda m, out, mesh: out.to_local())
     # loss_parallel shards torch's own cross-entropy over the vocab, not the model's fused one (model.CrossEntropy)
-    model.loss = lambda logits, targets: torch.nn.functional.cross_entropy(
-        logits.float().flatten(0, -2), targets.reshape(-1))
-    model.head_loss = lambda h, targets: model.loss(model.head(h), targets)
+    put_loss(model, lambda logits, targets: torch.nn.functional.cross_entropy(
+        logits.float().flatten(0, -2), targets.reshape(-1)))
     # the loss comes back as a replicated DTensor: hand the loop a plain tensor (its gradient flows through
     # to_local); called without targets (sampling), the model returns the full logits, not a vocab-sharded DTensor
     model.register_forward_hook(lambda m, args, kwargs, out: out.to_local() if has_targets(args, kwargs)

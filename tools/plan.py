@@ -502,6 +502,7 @@ def backward_bytes(shape, micro, seq, act_bytes, cp=1, method="ring", tp=1, resi
     d, kv, hidden, wide, _ = dims(shape)
     ab, rb, t = act_bytes, residual_bytes, micro * (seq // cp)
     low = ab < 4  # a float32 copy of a half-precision gradient
+    dw = V * d * 4 * (tp == 1) * last  # the fused loss's float32 dW, kept from forward until the head's backward
     if tp > 1:
         forward = cached + min(t * V / tp * 4, loss_chunk or GPU_CHUNK_BYTES) * low * last
         head = (V * d / tp * (ab + 4 * low) + t * d * ab) * last
@@ -513,7 +514,7 @@ def backward_bytes(shape, micro, seq, act_bytes, cp=1, method="ring", tp=1, resi
     norm = t * d * 4 * (3 + low) * last
     # freed once the head's backward is done: the final norm's input and statistic, and the head's input (tp) or
     # the fused loss's dh and dW
-    done = (t * (d * rb + 4 + (d * ab if tp > 1 else d * rb)) + (V * d * 4 if tp == 1 else 0)) * last
+    done = t * (d * rb + 4 + (d * ab if tp > 1 else d * rb)) * last + dw
     mlp = recompute + t * (hidden * ab / tp + d * 4) - done
     attention = 0
     if cp > 1:
@@ -527,7 +528,7 @@ def backward_bytes(shape, micro, seq, act_bytes, cp=1, method="ring", tp=1, resi
         else:  # every rank's dK, dV with the block kernel's, then its own slice beside them, then the returned
             # gradients cast to the compute dtype, below float32, beside both (dQ's, dK's, dV's)
             held = max(cp * kv_b * 4 + kernel, (cp + 1) * kv_b * 4 + (t * d / tp + kv_b) * ab * low)
-        attention = recompute + t * d / tp * (4 + ab) + held - freed - (V * d * 4 if tp == 1 else 0) * last
+        attention = recompute + t * d / tp * (4 + ab) + held - freed - dw
     return max(0, max(forward, head, norm, mlp, attention) - recompute)
 
 
