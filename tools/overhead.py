@@ -7,8 +7,8 @@ one process, eager and compiled, rounds interleaved so that a noisy machine slow
 
 train.py's figure is its own tokens/s (metrics.jsonl, log windows of `--steps / 4` steps, the first one left out:
 it holds warm-up and compilation); the bare loop's is timed the same way over the same windows. Compiled, both
-compile what parallel.apply_compile compiles (each block, and the head with the loss); "bare, whole model" compiles the whole GPT
-in one graph, for reference. Printed as a markdown table and written into a new folder under --out.
+compile what parallel.apply_compile compiles (each block, and the head with the loss); "bare, whole model" compiles
+the whole GPT in one graph, for reference. Printed as a markdown table and written into a new folder under --out.
 """
 import argparse
 import contextlib
