@@ -224,10 +224,11 @@ def apply_compile(model, tensor_parallel=False, split_backward=False):
     """torch.compile the largest pieces of the model that hold none of the strategies' communication, so that every
     collective stays outside the graphs, where the strategies overlap it and parallel/comm.py counts it:
     - each block's forward and the head's (with the loss: model.Head, LinearCrossEntropy). The instance's forward,
-      not the module's __call__: hooks on a block (FSDP's gathers, DDP's and ZeRO's bucket hooks on its parameters) stay outside, so each block's backward is a graph
-      of its own and its buckets start reducing while earlier blocks' backward runs. Compiling the whole model puts
-      all of backward in one graph: every bucket is ready only at its end, and nothing overlaps; under our FSDP,
-      dynamo traces into the gathers and breaks on them.
+      not the module's __call__: hooks on a block (FSDP's gathers, DDP's and ZeRO's bucket hooks on its
+      parameters) stay outside, so each block's backward is a graph of its own and its buckets start reducing while
+      earlier blocks' backward runs. Compiling the whole model puts all of backward in one graph: every bucket is
+      ready only at its end, and nothing overlaps; under our FSDP, dynamo traces into the gathers and breaks on
+      them.
     - under our tensor parallel, whose f and g sit at the attention's and MLP's boundaries (and in the loss):
       their forwards, the hooks outside.
     `split_backward`: the zero-bubble schedules, ours and torch's (ScheduleInterleavedZeroBubble), whose B pass takes
