@@ -283,6 +283,9 @@ def test_default_model_draws_as_before():
 def test_model_bench_runs():
     """tools/model_bench.py, ours against the plain GPT-2, at a toy size: it runs and reports a ratio."""
     from tools import model_bench
-    rows = model_bench.main(["--shapes", "2x64", "--modes", "eager", "--reps", "1", "--steps", "1", "--warmup", "1",
+    rows = model_bench.main(["--shapes", "2x64", "--modes", "eager", "--rounds", "3", "--warmup", "1",
                              "--seq", "32", "--batch", "2", "--vocab", "256"])
-    assert len(rows) == 1 and rows[0][4] > 0 and rows[0][5] > 0
+    assert len(rows) == 1 and rows[0][4] > 0 and rows[0][5] > 0 and rows[0][6] <= rows[0][4] <= rows[0][7]
+    # the median's 95% interval over 30 values: the 10th and 21st lowest (binomial(30, 1/2) below 10: 2.1%)
+    assert model_bench.median_interval(list(range(1, 31))) == (15.5, 10, 21)
+    assert model_bench.median_interval([3, 1, 2]) == (2, 1, 3)  # too few values for 95%: the whole range

@@ -1,18 +1,23 @@
 """Our model's training step against a plain GPT-2-style one at the same shape, side by side in one process.
 
     python -m tools.model_bench                      # 4L-128d and 6L-384d, eager and compiled
-    python -m tools.model_bench --shapes 4x128 --modes eager --reps 3
+    python -m tools.model_bench --shapes 4x128 --modes eager --rounds 15
 
 The reference (`PlainGPT` below) is written as the widely used minimal GPTs are (nanoGPT's shape of code): learned
 position embeddings, LayerNorm, biases, one fused q/k/v matmul, a GELU MLP of 4d, the head tied to the embedding,
 PyTorch's SDPA. Ours is model.py's GPT (RoPE, RMSNorm, no biases, untied head) at the same layers, width, heads,
 vocab and context, and again with its head tied to the embedding as the reference's is (model.tie_embeddings: the
 same parameter count, so the same optimizer work). One step is forward, backward and AdamW's update, in float32 on one thread per process
-(torch.set_num_threads), as a CPU run of train.py computes. The two models alternate, `--steps` timed steps each
-per repetition, so that a noisy machine slows both alike; the figure is the median over repetitions of ours' tokens/s
-over the reference's. Not a test: tests/test_model.py only checks that it runs.
+(torch.set_num_threads), as a CPU run of train.py computes. The models take turns step by step, in an order that
+rotates each round, so that the two steps of a round see the same moment of a noisy machine (this VM's speed drifts
+by several percent over seconds: blocks of five steps per model spread the ratio over 0.92-1.08, 2026-12-06). A
+round's ratio is the reference's step time over ours; the figure is their median over `--rounds` rounds, with a
+95% interval for that median that assumes nothing of the noise's shape (order statistics: the binomial
+distribution's tails). Not a test: tests/test_model.py only checks that it runs.
 """
 import argparse
+import math
+import multiprocessing
 import resource
 import statistics
 import time
@@ -75,49 +80,85 @@ def stepper(model, compiled):
     return step
 
 
-def bench(n_layer, d, mode, reps, steps, batch, seq, vocab, warmup):
-    """(our tokens/s, the reference's, their ratio, the ratio tied: medians over reps; the untied ratio's lowest and
-    highest) at one shape and mode."""
+def median_interval(values, confidence=0.95):
+    """(median, low, high): the median of `values` and an interval that holds the true median with at least
+    `confidence`, whatever the distribution: the k-th lowest and k-th highest values, k the largest count whose
+    binomial(n, 1/2) tail below it is at most (1 - confidence) / 2."""
+    v, n = sorted(values), len(values)
+    k, tail = 0, 0.0
+    while k < n // 2 and tail + math.comb(n, k) / 2 ** n <= (1 - confidence) / 2:
+        tail += math.comb(n, k) / 2 ** n
+        k += 1
+    return statistics.median(v), v[max(k - 1, 0)], v[n - max(k, 1)]
+
+
+def build(name, n_layer, d, batch, seq, vocab):
+    """One of the three models (ours, ours tied, the reference) with its step, and the step's batch."""
     torch.manual_seed(0)
-    models = {}
-    for name, tie in (("ours", False), ("ours_tied", True)):  # our default untied head, and tied as the reference
-        models[name] = GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=n_layer,
-                                     n_head=d // 64 if d >= 256 else 4, n_embd=d, tie_embeddings=tie))
-        models[name].init_weights()
-    models["plain"] = PlainGPT(vocab, seq, n_layer, models["ours"].cfg.n_head, d)
-    idx, targets = torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq))
-    steps_of = {k: stepper(m, mode == "compiled") for k, m in models.items()}
-    for step in steps_of.values():  # compile and warm the allocator before any timing
-        for _ in range(warmup):
-            step(idx, targets)
-    rates = {k: [] for k in steps_of}
-    kernel = {k: [0.0, 0] for k in steps_of}  # system seconds and minor page faults, summed over the timed steps
-    for _ in range(reps):
-        for k, step in steps_of.items():  # interleaved: both see the same moments of a noisy machine
-            r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-            for _ in range(steps):
-                step(idx, targets)
-            t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
-            rates[k].append(steps * batch * seq / (t1 - t0))
-            kernel[k][0] += r1.ru_stime - r0.ru_stime
-            kernel[k][1] += r1.ru_minflt - r0.ru_minflt
-    n = reps * steps
+    if name == "plain":
+        model = PlainGPT(vocab, seq, n_layer, d // 64 if d >= 256 else 4, d)
+    else:  # our default untied head, and tied as the reference's
+        model = GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=n_layer, n_head=d // 64 if d >= 256 else 4,
+                              n_embd=d, tie_embeddings=name == "ours_tied"))
+        model.init_weights()
+    return model, torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq))
+
+
+def worker(conn, name, shape, compiled, warmup, threads):
+    """One model in a process of its own (its own heap, as a training run has), stepping when the parent asks and
+    answering with (seconds, system seconds, minor page faults) of that step."""
+    torch.set_num_threads(threads)
+    model, idx, targets = build(name, *shape)
+    step = stepper(model, compiled)
+    for _ in range(warmup):  # compile, and bring the heap to its steady state
+        step(idx, targets)
+    conn.send("ready")
+    while conn.recv():
+        r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        step(idx, targets)
+        t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+        conn.send((t1 - t0, r1.ru_stime - r0.ru_stime, r1.ru_minflt - r0.ru_minflt))
+
+
+def bench(n_layer, d, mode, rounds, batch, seq, vocab, warmup, threads=1):
+    """(our tokens/s, the reference's, the ratio's median with its 95% interval, the tied ratio's median) at one
+    shape and mode."""
+    names = ("ours", "ours_tied", "plain")
+    ctx = multiprocessing.get_context("fork")  # forked before any model exists: nothing of another model's heap
+    pipes, procs = {}, []
+    for k in names:
+        pipes[k], child = ctx.Pipe()
+        procs.append(ctx.Process(target=worker, args=(child, k, (n_layer, d, batch, seq, vocab), mode == "compiled",
+                                                     warmup, threads), daemon=True))
+    for k, p in zip(names, procs):  # one at a time, so that the warm-ups and compiles do not share the cores
+        p.start()
+        if not pipes[k].poll(1800) or pipes[k].recv() != "ready":
+            raise RuntimeError(f"the benchmark's {k} worker did not start (exit code {p.exitcode})")
+    seconds, kernel = {k: [] for k in names}, {k: [0.0, 0] for k in names}
+    for r in range(rounds):
+        for k in names[r % 3:] + names[:r % 3]:  # one step at a time, each model first, second and third in turn
+            pipes[k].send(True)
+            t, sys_s, faults = pipes[k].recv()
+            seconds[k].append(t)
+            kernel[k][0] += sys_s
+            kernel[k][1] += faults
+    for k in names:
+        pipes[k].send(False)
+    for p in procs:
+        p.join()
     print(f"{n_layer}L-{d}d {mode:8s}: per step, system time and minor page faults (a fresh large tensor's pages "
-          f"fault on first touch): " + ", ".join(f"{k} {s / n * 1e3:.0f} ms, {f / n:,.0f}" for k, (s, f) in
+          f"fault on first touch): " + ", ".join(f"{k} {s / rounds * 1e3:.0f} ms, {f / rounds:,.0f}" for k, (s, f) in
                                                  kernel.items()), flush=True)
-    ratios = {k: sorted(a / b for a, b in zip(rates[k], rates["plain"])) for k in ("ours", "ours_tied")}
-    ratio = {k: statistics.median(r) for k, r in ratios.items()}
-    spread = (ratios["ours"][0], ratios["ours"][-1])  # the repetitions' lowest and highest: how noisy the run was
-    return (statistics.median(rates["ours"]), statistics.median(rates["plain"]), ratio["ours"], ratio["ours_tied"],
-            spread)
+    ratio = {k: median_interval([p / o for p, o in zip(seconds["plain"], seconds[k])]) for k in ("ours", "ours_tied")}
+    rate = {k: batch * seq / statistics.median(s) for k, s in seconds.items()}
+    return rate["ours"], rate["plain"], ratio["ours"], ratio["ours_tied"][0]
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="4x128,6x384", help="layers x width, comma-separated")
     ap.add_argument("--modes", default="eager,compiled")
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per model per repetition")
+    ap.add_argument("--rounds", type=int, default=30, help="timed rounds: one step of each model in each")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=4096)
@@ -129,12 +170,12 @@ def main(argv=None):
     for shape in a.shapes.split(","):
         n_layer, d = map(int, shape.split("x"))
         for mode in a.modes.split(","):
-            ours, plain, ratio, tied, (lo, hi) = bench(n_layer, d, mode, a.reps, a.steps, a.batch, a.seq, a.vocab,
-                                                       a.warmup)
-            rows.append((shape, mode, ours, plain, ratio, tied))
+            ours, plain, (ratio, lo, hi), tied = bench(n_layer, d, mode, a.rounds, a.batch, a.seq, a.vocab,
+                                                       a.warmup, a.threads)
+            rows.append((shape, mode, ours, plain, ratio, tied, lo, hi))
             print(f"{n_layer}L-{d}d {mode:8s}: ours {ours:9,.0f} tok/s, plain GPT-2 {plain:9,.0f} tok/s, "
-                  f"ratio {ratio:.3f} (repetitions {lo:.3f} to {hi:.3f}), tied as the reference {tied:.3f} "
-                  f"(medians of {a.reps})", flush=True)
+                  f"ratio {ratio:.3f} (95% interval {lo:.3f} to {hi:.3f}), tied as the reference {tied:.3f} "
+                  f"(medians of {a.rounds} rounds)", flush=True)
     return rows
 
 
