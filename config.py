@@ -385,26 +385,29 @@ def run_rules(cfg):
                           f"({prepare.vocab_size(cfg.data)}); leave it null to follow the tokenizer")
 
 
-def device_and_dtype(t):
+def device_and_dtype(t, computes=True):
     """(device, dtype): train.device and train.dtype made concrete on this machine (auto: a GPU where torch sees one,
-    bf16 autocast where that GPU has it, else float32). Raises ConfigError where the machine can't do what was asked."""
+    bf16 autocast where that GPU has it, else float32). Raises ConfigError where the machine can't do what was asked;
+    `computes=False` (a dry run on fake tensors, which runs no kernel) asks no bf16 of it."""
     if t.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda, but torch sees no CUDA device")
     device = "cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu"
-    if t.dtype == "bfloat16" and not bf16_supported(device):
+    if t.dtype == "bfloat16" and computes and not bf16_supported(device):
         raise ConfigError(f"train.dtype=bfloat16, but this {device} can't compute in bfloat16; use train.dtype=float32")
     return device, t.dtype if t.dtype != "auto" else ("bfloat16" if device == "cuda" and bf16_supported(device)
                                                       else "float32")
 
 
-def check(cfg, world):
+def check(cfg, world, computes=True):
     """Everything that can be known wrong before work starts, for `world` ranks; returns (the Layout, device, dtype,
-    grad_accum). Raises ConfigError (or data.prepare's DataError) with one line."""
+    grad_accum). Raises ConfigError (or data.prepare's DataError) with one line. `computes=False`: a dry run on fake
+    tensors, which needs no bf16 kernels of this machine (device_and_dtype)."""
     from data import prepare, shards
     validate(cfg)
     t, d = cfg.train, cfg.data
-    device, dtype = device_and_dtype(t)
-    layout = rules(cfg, world, dtype, cpu_bf16=bf16_supported("cpu"), bf16=bf16_supported(device))
+    device, dtype = device_and_dtype(t, computes)
+    layout = rules(cfg, world, dtype, cpu_bf16=bf16_supported("cpu") or not computes,
+                   bf16=bf16_supported(device) or not computes)
     if t.compile and compile_problem(device):
         raise ConfigError(compile_problem(device))
     try:

@@ -177,6 +177,18 @@ def test_bad_input_is_one_line(overrides, message):
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
+def test_fake_dry_run_of_bf16_on_a_cpu_without_it(monkeypatch):
+    """A dry run on fake tensors runs no kernel, so a bf16 run plans on a CPU that can't compute in bf16 (an
+    AVX2-only one); one on real tensors is refused there in one line."""
+    import config
+    monkeypatch.setattr(config, "bf16_supported", lambda device: False)
+    base = ["model=gpt_1p3b", "parallel=fsdp", "dry_run.world=64", "train.seq_len=64", "train.micro_batch_size=1",
+            "train.global_batch_size=64", "train.dtype=bfloat16", "parallel.param_dtype=bfloat16"]
+    assert dry_run.check(make_cfg(*base, "dry_run.compute=fake"))[2] == "bfloat16"
+    with pytest.raises(ConfigError, match="can't compute in bfloat16"):
+        dry_run.check(make_cfg(*base, "dry_run.compute=real"))
+
+
 def test_train_py_entry(tmp_path):
     """`python train.py ... dry_run.world=N`: the report beside the planner, metrics.jsonl with a real run's keys;
     under torchrun, one line and nothing started or written."""

@@ -97,7 +97,7 @@ def check(cfg, under_torchrun=False):
     if problem:
         raise ConfigError(problem)
     try:  # the training config's own rules, for this world: degrees that divide it, heads, batch, ...
-        layout, device, dtype, accum = config.check(cfg, d.world)
+        layout, device, dtype, accum = config.check(cfg, d.world, computes=d.compute != "fake")
     except ConfigError as e:
         raise ConfigError(f"dry_run.world={d.world}: {e}") from None
     problem = fake_group_problem(layout)

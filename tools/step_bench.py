@@ -2,11 +2,12 @@
 (train.py on gloo, the layouts of one world size in one launch: tools/jobs.py) and predicted by tools/plan.py with
 plan.gpu=cpu (tools/step_time.py's model on this CPU's measured constants). Prints predicted / measured per run.
 
-    python -m tools.step_bench --out /tmp/sb              # 5 shapes x 4 layouts (single, ddp, fsdp, tp), ~3 min
+    python -m tools.step_bench --out /tmp/sb              # 5 shapes x 4 layouts (single, ddp, fsdp, tp), ~2.5 min
     python -m tools.step_bench --out /tmp/sb --shapes 2   # the first two shapes only
 
 A run's measured step is the median of its logged steps after the first (warm-up) one; the ratio of medians is what
-noise leaves steady. Not a test yet: the issue's band of 0.85-1.15 holds for most runs, not all (docs/planning.md).
+noise leaves steady. Not a test yet: the issue's band of 0.85-1.15 holds for most runs, not all, and a profile's
+level moves by up to 8% from one measurement to the next (docs/planning.md).
 Writes step_bench.json and .md to --out.
 """
 import argparse

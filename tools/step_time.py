@@ -271,13 +271,19 @@ ELEMENTWISE_N = 1 << 20
 _PROFILES = {}  # cpu_profile's, by path
 
 
-def _timed(fn, min_time):
+def _timed(fn, min_time, windows=3):
+    """Seconds per call of fn: the median over `windows` windows of at least min_time (and two calls) each. One
+    window of 20 ms read the same attention kernel at 12.8 and 20.7 GFLOP/s from one profile to the next (2026-12-07,
+    this VM's noise); the median of three steadies it."""
     fn()
-    n, t0 = 0, time.perf_counter()
-    while n < 2 or time.perf_counter() - t0 < min_time:
-        fn()
-        n += 1
-    return (time.perf_counter() - t0) / n
+    per_call = []
+    for _ in range(windows):
+        n, t0 = 0, time.perf_counter()
+        while n < 2 or time.perf_counter() - t0 < min_time:
+            fn()
+            n += 1
+        per_call.append((time.perf_counter() - t0) / n)
+    return sorted(per_call)[len(per_call) // 2]
 
 
 def profile_path():
@@ -289,7 +295,7 @@ def profile_path():
 
 def cpu_profile(path=None, min_time=0.02, refresh=False, log=print):
     """This machine's CPU as the step-time model needs it, measured on one thread (as each rank of a run with
-    OMP_NUM_THREADS=1 computes) in about 15 s and cached (`path`, default $NANOPARALLEL_CACHE/cpu_profile-*.json,
+    OMP_NUM_THREADS=1 computes) in under a minute (46 s on an AVX2-only EPYC, 2026-12-07) and cached (`path`, default $NANOPARALLEL_CACHE/cpu_profile-*.json,
     keyed by machine and torch)."""
     path = path or profile_path()
     if path in _PROFILES and not refresh:  # read once per process: the planner asks at every layout it prices
@@ -303,12 +309,12 @@ def cpu_profile(path=None, min_time=0.02, refresh=False, log=print):
             with open(path) as f:
                 _PROFILES[path] = json.load(f)
             return _PROFILES[path]
-        log(f"measuring this CPU for the step-time model (once, about 15 s): {path}")
+        log(f"measuring this CPU for the step-time model (once, under a minute): {path}")
         import torch
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            profile = _measure_cpu(min_time)
+            profile = _measure_cpu(min_time, log)
         finally:
             torch.set_num_threads(threads)
         with open(path + ".tmp", "w") as f:
@@ -318,21 +324,36 @@ def cpu_profile(path=None, min_time=0.02, refresh=False, log=print):
     return profile
 
 
-def _measure_cpu(min_time):
+def _measure_cpu(min_time, log=print):
     import torch
     import torch.nn.functional as F
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     out = {"cores": cores, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "matmul": {},
            "attention": {}, "elementwise": {}}
+    # A CPU without bf16 instructions (AVX-512 BF16, AMX) multiplies bf16 some 50x slower than float32 (1.4 against
+    # 74 GFLOP/s on an AVX2-only EPYC, 2026-12-07): the grid's largest products would take minutes each, so there
+    # its bf16 rates come from the small products and sequences alone (the rate is flat there, and the nearest
+    # measured shape is read); the whole bf16 grid took 100 s on that machine, this part of it 10 s.
+    native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    bf16_here = lambda *sizes: native_bf16 or max(sizes) <= 512  # noqa: E731
+    t0 = time.perf_counter()
     for dtype, a in ((torch.float32, "4"), (torch.bfloat16, "2")):
+        log(f"  {dtype}: matmuls, attention, element-wise ops ({time.perf_counter() - t0:.0f} s so far)")
         out["matmul"][a] = []
         for m, n, k in CPU_SHAPES:
+            if a == "2" and not bf16_here(m, n, k):
+                continue
             x, w = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
             out["matmul"][a].append([m, n, k, 2 * m * n * k / _timed(lambda: x @ w, min_time)])
         out["attention"][a] = []
         for t, hd in CPU_ATTENTION:
-            q, k, v = (torch.randn(1, 4, t, hd, dtype=dtype, requires_grad=True) for _ in range(3))
-            flops = 4 * 4 * t * (t / 2) * hd
+            if a == "2" and not bf16_here(t):
+                continue
+            # 2,048 tokens a call, as a micro-batch brings: the kernel splits its work over (batch, head) pairs,
+            # and at one sequence of 128 tokens it ran at half the rate it reaches over sixteen
+            b = max(1, 2048 // t)
+            q, k, v = (torch.randn(b, 4, t, hd, dtype=dtype, requires_grad=True) for _ in range(3))
+            flops = b * 4 * 4 * t * (t / 2) * hd
             fwd = _timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), min_time)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             g = torch.randn_like(y)
@@ -348,6 +369,7 @@ def _measure_cpu(min_time):
             y = y * 1.0001
         y.sum().backward()
     out["host_op_s"] = _timed(small, min_time) / 130
+    log(f"  gloo's collectives at 2 and 4 ranks ({time.perf_counter() - t0:.0f} s so far)")
     out["gloo"] = _measure_gloo()
     alone = _timed(_compute_load(), min_time)
     # what a rank's compute takes where `world` ranks share the machine, against one process alone
@@ -409,14 +431,17 @@ def _gloo_rank(rank, world, port, queue, reps=8):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     compute = _compute_load()
 
-    def timed(fn):
+    def timed(fn, windows=3):  # the median of three windows, as _timed's
         fn()
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        dist.barrier()
-        return (time.perf_counter() - t0) / reps
+        per_call = []
+        for _ in range(windows):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            dist.barrier()
+            per_call.append((time.perf_counter() - t0) / reps)
+        return sorted(per_call)[windows // 2]
     alone = timed(compute)
     out = {}
     for kind in ("all_reduce", "all_gather", "reduce_scatter"):
