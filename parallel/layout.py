@@ -246,10 +246,12 @@ class Layout:
         (train.global_batch_size, micro_batch_size) where it is known; `compile_`: train.compile; `dtype`:
         train.dtype resolved; `bf16`: whether the device computes in bfloat16 (`cpu_bf16`: whether the CPU can);
         `ac`: train.activation_checkpointing."""
+        # the machine's own limit (bf16 working weights on a device without bf16) last: a layout the rule book
+        # refuses is refused with the same line on every machine
         for rule in (self._degrees_problem(p), self._strategy_problem(p, dtype, compile_),
                      self._tp_problem(p, model, seq_len, compile_), self._cp_problem(p, seq_len, compile_),
-                     self._fsdp_problem(p, model, cpu_bf16), self._dtype_problem(p, dtype, bf16),
-                     self._tie_problem(model), self._moe_problem(model, p, dtype)):
+                     self._fsdp_problem(p, model, cpu_bf16), self._tie_problem(model),
+                     self._moe_problem(model, p, dtype), self._dtype_problem(p, dtype, bf16)):
             if rule:
                 return rule
         if global_batch is None:

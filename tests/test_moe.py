@@ -242,7 +242,9 @@ def check_ep(launch, moe_single, name):
     # grad_norm: single's is torch's clip_grad_norm_, whose float32 norm of a large tensor accumulates serially on
     # the CPU (1.6e-5 off float64 at 2M values, measured 2026-12-04); ep sums squares by pairwise sums
     assert_same_steps(run, ref, rtol={"loss": 1e-6, "grad_norm": 5e-5, "val_loss": 1e-6})
-    assert_same_weights(run, ref)
+    # beside cp, attention's pieces are summed in another order, and AdamW's division by sqrt(v) grows that rounding
+    # in an expert's rarely used weights: 1.25e-6 in one of 65,536 (cp2_ep2, an AVX2-only CPU, 2026-12-07)
+    assert_same_weights(run, ref, atol=2e-6 if "cp" in name else 1e-6)
     got, want = ([r for r in read_metrics(d) if "moe_tokens_per_expert" in r] for d in (run, ref))
     assert len(got) == 3 and read_metrics(run)[0]["world_size"] == world
     for key in ("moe_tokens_per_expert", "moe_dropped"):  # the routing itself, token counts and drops: exact
