@@ -1,4 +1,4 @@
-"""Our model's training step against a plain GPT-2-style one at the same shape, side by side in one process.
+"""Our model's training step against a plain GPT-2-style one at the same shape, side by side, each in a process.
 
     python -m tools.model_bench                      # 4L-128d and 6L-384d, eager and compiled
     python -m tools.model_bench --shapes 4x128 --modes eager --rounds 15
@@ -7,13 +7,14 @@ The reference (`PlainGPT` below) is written as the widely used minimal GPTs are 
 position embeddings, LayerNorm, biases, one fused q/k/v matmul, a GELU MLP of 4d, the head tied to the embedding,
 PyTorch's SDPA. Ours is model.py's GPT (RoPE, RMSNorm, no biases, untied head) at the same layers, width, heads,
 vocab and context, and again with its head tied to the embedding as the reference's is (model.tie_embeddings: the
-same parameter count, so the same optimizer work). One step is forward, backward and AdamW's update, in float32 on one thread per process
-(torch.set_num_threads), as a CPU run of train.py computes. The models take turns step by step, in an order that
-rotates each round, so that the two steps of a round see the same moment of a noisy machine (this VM's speed drifts
-by several percent over seconds: blocks of five steps per model spread the ratio over 0.92-1.08, 2026-12-06). A
-round's ratio is the reference's step time over ours; the figure is their median over `--rounds` rounds, with a
-95% interval for that median that assumes nothing of the noise's shape (order statistics: the binomial
-distribution's tails). Not a test: tests/test_model.py only checks that it runs.
+same parameter count, so the same optimizer work). One step is forward, backward and AdamW's update, in float32 on
+one thread per process (torch.set_num_threads), as a CPU run of train.py computes. Each model trains in a process of
+its own (its own heap, as a training run has). The models take turns step by step, in an order that rotates each
+round, so that the steps of a round see the same moment of a noisy machine (this VM's speed drifts by several
+percent over seconds: blocks of five steps per model spread the ratio over 0.92-1.08, 2026-12-06). A round's ratio
+is the reference's step time over ours; the figure is their median over `--rounds` rounds, with a 95% interval for
+that median that assumes nothing of the noise's shape (order statistics: the binomial distribution's tails). Not a
+test: tests/test_model.py only checks that it runs.
 """
 import argparse
 import math

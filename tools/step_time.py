@@ -269,6 +269,7 @@ CPU_SHAPES = [(m, n, k) for m in (256, 1024, 4096) for n in SQUARES + (2048,) fo
 CPU_ATTENTION = [(t, hd) for t in (128, 512, 2048) for hd in (32, 64, 128)]
 ELEMENTWISE_N = 1 << 20
 _PROFILES = {}  # cpu_profile's, by path
+PROFILE_VERSION = 2  # in the cache's file name: a profile measured the way an older version measured is not read
 
 
 def _timed(fn, min_time, windows=3):
@@ -290,13 +291,14 @@ def profile_path():
     """Where cpu_profile keeps this machine's measurements."""
     import torch
     cache = os.path.expanduser(os.environ.get("NANOPARALLEL_CACHE", "~/.cache/nanoparallel"))
-    return os.path.join(cache, f"cpu_profile-{platform.node()}-{os.cpu_count()}-{torch.__version__}.json")
+    return os.path.join(cache, f"cpu_profile-v{PROFILE_VERSION}-{platform.node()}-{os.cpu_count()}-"
+                               f"{torch.__version__}.json")
 
 
 def cpu_profile(path=None, min_time=0.02, refresh=False, log=print):
     """This machine's CPU as the step-time model needs it, measured on one thread (as each rank of a run with
-    OMP_NUM_THREADS=1 computes) in under a minute (46 s on an AVX2-only EPYC, 2026-12-07) and cached (`path`, default $NANOPARALLEL_CACHE/cpu_profile-*.json,
-    keyed by machine and torch)."""
+    OMP_NUM_THREADS=1 computes) in under a minute (46 s on an AVX2-only EPYC, 2026-12-07) and cached (`path`,
+    default $NANOPARALLEL_CACHE/cpu_profile-v*.json, keyed by the profile's version, machine and torch)."""
     path = path or profile_path()
     if path in _PROFILES and not refresh:  # read once per process: the planner asks at every layout it prices
         return _PROFILES[path]
