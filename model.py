@@ -622,8 +622,6 @@ class GPT(nn.Module):
         pipeline schedules take a stage's output and a loss function apart). A method of its own so that a strategy
         which splits the vocabulary across ranks can put its own in place (parallel/tp.py)."""
         logits, targets = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)
-        if torch.compiler.is_compiling():
-            return F.cross_entropy(logits.float(), targets)
         return CrossEntropy.apply(logits, targets)
 
     def moe_layers(self):

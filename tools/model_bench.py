@@ -94,7 +94,7 @@ def median_interval(values, confidence=0.95):
 
 
 def build(name, n_layer, d, batch, seq, vocab):
-    """One of the three models (ours, ours tied, the reference) with its step, and the step's batch."""
+    """One of the three models (ours, ours tied, the reference), and the batch its steps train on."""
     torch.manual_seed(0)
     if name == "plain":
         model = PlainGPT(vocab, seq, n_layer, d // 64 if d >= 256 else 4, d)
@@ -166,7 +166,6 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
-    torch.set_num_threads(a.threads)
     rows = []
     for shape in a.shapes.split(","):
         n_layer, d = map(int, shape.split("x"))
