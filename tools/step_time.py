@@ -219,14 +219,17 @@ class CPU(Device):
         self.cores, self.host_op_s = profile["cores"], profile["host_op_s"]
 
     def shared(self, ranks):
-        """How much longer a rank computes where `ranks` processes share this machine: measured at 2 and 4 ranks
-        (the cores' sharing, and their caches' and memory's), by cores beyond."""
+        """How much longer a rank computes where `ranks` processes share this machine: measured amid collectives
+        up to as many ranks as cores (their caches' and memory's sharing), times ranks / cores beyond. (Measured
+        beyond, 4 ranks on 2 cores read 1.5: a rank computes alone while the others wait in a collective for it,
+        and the sharing shows up as their wait instead.)"""
         if ranks <= 1:
             return 1.0
         measured = self.profile["shared"]
-        if str(ranks) in measured:
+        if ranks <= self.cores and str(ranks) in measured:
             return measured[str(ranks)]
-        return max(1.0, ranks / self.cores) * measured["2"]
+        within = max((int(w) for w in measured if int(w) <= self.cores), default=2)
+        return max(1.0, ranks / self.cores) * measured[str(within)]
 
     def matmul_s(self, M, N, K, a):
         # [M, N, K, FLOP/s] rows: the 4 measured shapes nearest
@@ -269,7 +272,7 @@ CPU_SHAPES = [(m, n, k) for m in (256, 1024, 4096) for n in SQUARES + (2048,) fo
 CPU_ATTENTION = [(t, hd) for t in (128, 512, 2048) for hd in (32, 64, 128)]
 ELEMENTWISE_N = 1 << 20
 _PROFILES = {}  # cpu_profile's, by path
-PROFILE_VERSION = 2  # in the cache's file name: a profile measured the way an older version measured is not read
+PROFILE_VERSION = 3  # in the cache's file name: a profile measured the way an older version measured is not read
 
 
 def _timed(fn, min_time, windows=3):
@@ -295,10 +298,13 @@ def profile_path():
                                f"{torch.__version__}.json")
 
 
-def cpu_profile(path=None, min_time=0.02, refresh=False, log=print):
+def cpu_profile(path=None, min_time=0.02, refresh=False, log=print, dtypes=("float32", "bfloat16"), worlds=(2, 4)):
     """This machine's CPU as the step-time model needs it, measured on one thread (as each rank of a run with
-    OMP_NUM_THREADS=1 computes) in under a minute (46 s on an AVX2-only EPYC, 2026-12-07) and cached (`path`,
-    default $NANOPARALLEL_CACHE/cpu_profile-v*.json, keyed by the profile's version, machine and torch)."""
+    OMP_NUM_THREADS=1 computes) in about a minute (75 s on an AVX2-only EPYC, 2026-12-07) and cached (`path`,
+    default $NANOPARALLEL_CACHE/cpu_profile-v*.json, keyed by the profile's version, machine and torch). `dtypes` and
+    `worlds` (gloo's, and the cores' sharing) narrow what is measured, for a profile kept at a `path` of its own
+    (tests/test_step_time.py's, which plans float32 runs at world 1 and 2): the default path holds a whole one."""
+    assert path or (tuple(dtypes), tuple(worlds)) == (("float32", "bfloat16"), (2, 4)), "a partial profile needs a path"
     path = path or profile_path()
     if path in _PROFILES and not refresh:  # read once per process: the planner asks at every layout it prices
         return _PROFILES[path]
@@ -311,12 +317,12 @@ def cpu_profile(path=None, min_time=0.02, refresh=False, log=print):
             with open(path) as f:
                 _PROFILES[path] = json.load(f)
             return _PROFILES[path]
-        log(f"measuring this CPU for the step-time model (once, under a minute): {path}")
+        log(f"measuring this CPU for the step-time model (once, about a minute): {path}")
         import torch
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            profile = _measure_cpu(min_time, log)
+            profile = _measure_cpu(min_time, log, dtypes, worlds)
         finally:
             torch.set_num_threads(threads)
         with open(path + ".tmp", "w") as f:
@@ -326,7 +332,7 @@ def cpu_profile(path=None, min_time=0.02, refresh=False, log=print):
     return profile
 
 
-def _measure_cpu(min_time, log=print):
+def _measure_cpu(min_time, log=print, dtypes=("float32", "bfloat16"), worlds=(2, 4)):
     import torch
     import torch.nn.functional as F
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -336,10 +342,11 @@ def _measure_cpu(min_time, log=print):
     # 74 GFLOP/s on an AVX2-only EPYC, 2026-12-07): the grid's largest products would take minutes each, so there
     # its bf16 rates come from the small products and sequences alone (the rate is flat there, and the nearest
     # measured shape is read); the whole bf16 grid took 100 s on that machine, this part of it 10 s.
+    before = probe(worlds)
     native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     bf16_here = lambda *sizes: native_bf16 or max(sizes) <= 512  # noqa: E731
     t0 = time.perf_counter()
-    for dtype, a in ((torch.float32, "4"), (torch.bfloat16, "2")):
+    for dtype, a in ((getattr(torch, name), str(getattr(torch, name).itemsize)) for name in dtypes):
         log(f"  {dtype}: matmuls, attention, element-wise ops ({time.perf_counter() - t0:.0f} s so far)")
         out["matmul"][a] = []
         for m, n, k in CPU_SHAPES:
@@ -371,11 +378,78 @@ def _measure_cpu(min_time, log=print):
             y = y * 1.0001
         y.sum().backward()
     out["host_op_s"] = _timed(small, min_time) / 130
-    log(f"  gloo's collectives at 2 and 4 ranks ({time.perf_counter() - t0:.0f} s so far)")
-    out["gloo"] = _measure_gloo()
-    alone = _timed(_compute_load(), min_time)
-    # what a rank's compute takes where `world` ranks share the machine, against one process alone
-    out["shared"] = {world: out["gloo"][world].pop("compute_s") / alone for world in out["gloo"]}
+    log(f"  gloo's collectives at {' and '.join(map(str, worlds))} ranks ({time.perf_counter() - t0:.0f} s so far)")
+    out["gloo"] = _measure_gloo(worlds)
+    # the machine's speed while it was measured, for relevel (the mean of the probes before and after), and what a
+    # rank's compute takes where `world` ranks share the machine, amid collectives, against one process alone
+    out["probe"] = {k: math.sqrt(before[k] * v) for k, v in probe(worlds).items()}
+    out["shared"] = {w: out["gloo"][w].pop("shared") for w in out["gloo"] if int(w) <= cores}  # CPU.shared: why
+    return out
+
+
+def probe(worlds=(2, 4), rounds=9, calls=10):
+    """How fast this machine computes now: {"1": seconds per call of _compute_load (about 4 ms of matmuls) in one
+    process, "N": per call in each of N processes computing at once}, in about a second per world. On this project's
+    VMs the same step ran 10% slower alone and 35% slower on 2 ranks a few minutes later (2026-12-07, AVX2 EPYC: other
+    tenants' load), so a profile measured once can't price a run measured later; relevel carries it to the speed
+    the probe sees at the run. One process times `calls` calls alone, then as many while the others run them too,
+    `rounds` times: the median of those pairs' ratios. (Timed apart, one second each, the ratio read 0.9 to 1.2 in
+    successive probes; paired, the drift between its two halves cancels.)"""
+    import multiprocessing
+    import torch
+    # a step's mix: a matmul whose operands spill out of a core's cache, and element-wise work over 4 MiB tensors
+    # (a 192 x 192 product alone, cache-resident, read 2 ranks no slower than one, where steps run 5% slower)
+    a, b, x, y = torch.randn(1024, 512), torch.randn(512, 512), torch.randn(1 << 20), torch.randn(1 << 20)
+
+    def compute():
+        a @ b
+        for _ in range(4):
+            x.mul_(0.5).add_(y)
+    compute()
+    ctx = multiprocessing.get_context("fork")
+    out = {}
+    for world in worlds:
+        queue, barrier = ctx.Queue(), ctx.Barrier(world)
+
+        def rank(timer, barrier=barrier, queue=queue):
+            def window():
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    compute()
+                return (time.perf_counter() - t0) / calls
+            pairs = []
+            for _ in range(rounds):
+                barrier.wait()
+                alone = window() if timer else None  # the others wait at the barrier
+                barrier.wait()
+                busy = window()
+                pairs.append((alone, busy))
+            if timer:
+                queue.put(pairs)
+        procs = [ctx.Process(target=rank, args=(r == 0,)) for r in range(world)]
+        for p in procs:
+            p.start()
+        pairs = queue.get(timeout=120)
+        for p in procs:
+            p.join(timeout=60)
+        alone = sorted(a for a, _ in pairs)[rounds // 2]
+        out.setdefault("1", alone)
+        out[str(world)] = out["1"] * sorted(b / a for a, b in pairs)[rounds // 2]
+    return out
+
+
+def relevel(profile, now):
+    """`profile` at the speed probe() measured `now`: every compute rate scaled by the one process's probe against the
+    profile's own, the cores' sharing at each world by how far the probes' sharing moved. gloo's constants stay."""
+    scale = profile["probe"]["1"] / now["1"]  # < 1: the machine is slower now
+    out = {**profile, "probe": now, "host_op_s": profile["host_op_s"] / scale,
+           "matmul": {a: [[*row[:3], row[3] * scale] for row in rows] for a, rows in profile["matmul"].items()},
+           "attention": {a: [[*row[:2], row[2] * scale, row[3] * scale] for row in rows]
+                         for a, rows in profile["attention"].items()},
+           "elementwise": {a: {k: v / scale for k, v in per.items()} for a, per in profile["elementwise"].items()},
+           # the sharing measured amid collectives, moved as far as the probes' sharing moved since
+           "shared": {w: v * (now[w] / now["1"]) / (profile["probe"][w] / profile["probe"]["1"])
+                      if w in now and w in profile["probe"] else v for w, v in profile["shared"].items()}}
     return out
 
 
@@ -421,10 +495,12 @@ def _measure_elementwise(dtype, min_time):
     return out
 
 
-def _gloo_rank(rank, world, port, queue, reps=8):
+def _gloo_rank(rank, world, port, queue, reps=8, pairs=15):
     """Each collective as a training step meets it: between matmuls that keep every rank's core busy, so that its
     cost includes what it takes from the compute (gloo's work runs on the same cores) and the ranks' waiting for
-    one another. Per collective: (latency, bytes/s) fitted to a small and a large message."""
+    one another. Returns {collective: [latency s, bytes/s], "shared": x}: one latency for the three (the median
+    over all their 4 KiB calls: one kind's alone read anywhere from 1.0 to 3.6 ms at 2 ranks, 2026-12-07), a rate
+    each from 4 MiB; and how much slower the compute runs amid collectives than alone (the others idle meanwhile)."""
     import warnings
     import torch
     import torch.distributed as dist
@@ -433,22 +509,26 @@ def _gloo_rank(rank, world, port, queue, reps=8):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     compute = _compute_load()
 
-    def timed(fn, windows=3):  # the median of three windows, as _timed's
-        fn()
-        per_call = []
-        for _ in range(windows):
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            dist.barrier()
-            per_call.append((time.perf_counter() - t0) / reps)
-        return sorted(per_call)[windows // 2]
-    alone = timed(compute)
-    out = {}
+    def window(fn):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        dist.barrier()
+        return (time.perf_counter() - t0) / reps
+
+    def extras(run):
+        """What the collective adds to the compute before it: windows of the compute alone and of the compute then
+        the collective, back to back, so that the machine's drift cancels in each pair."""
+        run()
+        return [window(lambda: (compute(), run())) - window(compute) for _ in range(pairs)]
+
+    def median(xs):
+        return sorted(xs)[len(xs) // 2]
+    compute()
+    small, large = {}, {}
     for kind in ("all_reduce", "all_gather", "reduce_scatter"):
-        costs = []
-        for size in (1 << 16, 1 << 20, 1 << 22):
+        for size, into in ((1 << 12, small), (1 << 22, large)):
             n = size // 4
             x = torch.ones(n)
             y = torch.empty(n * world) if kind == "all_gather" else torch.empty(n // world)
@@ -457,38 +537,57 @@ def _gloo_rank(rank, world, port, queue, reps=8):
                    "reduce_scatter": lambda: dist.reduce_scatter_tensor(y, x)}[kind]
             counted = {"all_reduce": 2 * x.numel() * 4, "all_gather": y.numel() * 4,
                        "reduce_scatter": x.numel() * 4}[kind]
-            costs.append((counted * (world - 1) / world, timed(lambda: (compute(), run())) - alone))
-        # least squares: seconds = latency + bytes / rate
-        mb = sum(b for b, _ in costs) / len(costs)
-        mt = sum(t for _, t in costs) / len(costs)
-        slope = sum((b - mb) * (t - mt) for b, t in costs) / sum((b - mb) ** 2 for b, _ in costs)
-        slope = max(slope, 1 / 16e9)  # noise can make it any value: no faster than a memory copy here
-        out[kind] = [max(0.0, mt - slope * mb), 1 / slope]
-    out["compute_s"] = alone  # the same work as alone in one process: what sharing the machine costs it
+            into[kind] = (counted * (world - 1) / world, extras(run))
+    latency = max(0.0, median([t for _, ts in small.values() for t in ts]))
+    out = {}
+    for kind, (b, ts) in large.items():  # no faster than a memory copy here: noise can make it any value
+        out[kind] = [latency, b / max(median(ts) - latency, b / 16e9)]
+    # the compute timed by itself, each call after a 4 KiB all-reduce, against the same compute on this rank alone
+    x, amid, alone = torch.ones(1024), [], []
+    for _ in range(pairs):
+        dist.barrier()
+        if rank == 0:
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                compute()
+            alone.append(time.perf_counter() - t0)
+        dist.barrier()
+        t = 0.0
+        for _ in range(reps):
+            dist.all_reduce(x)
+            t0 = time.perf_counter()
+            compute()
+            t += time.perf_counter() - t0
+        amid.append(t)
     if rank == 0:
+        out["shared"] = median([m / a for m, a in zip(amid, alone)])
         queue.put(out)
     dist.destroy_process_group()
 
 
 def _compute_load():
-    """About 10 ms of matmuls: the load the ranks keep up while the collectives are timed."""
+    """About 4 ms of matmuls: the load the ranks keep up while the collectives are timed, as long as a small model's
+    block computes between tensor parallelism's all-reduces. The ranks' waiting for one another grows with the
+    compute between collectives (gloo's all-reduce of 4 KiB at 2 ranks: 1.4 ms after none, 2.3 after 2 ms, 2.4-3.1
+    after 10 ms; 2026-12-07, AVX2 EPYC): timed after 10 ms, a profile read 4.3 ms a call, and the planner put tensor
+    parallel steps 20-47% over their measured time."""
     import torch
     a, b = torch.randn(192, 192), torch.randn(192, 192)
 
     def compute():
-        for _ in range(64):
+        for _ in range(24):
             a @ b
     return compute
 
 
-def _measure_gloo():
+def _measure_gloo(worlds=(2, 4)):
     """gloo's collectives at world 2 and 4 between processes forked from this one: {world: {collective: [latency
     s, bus bytes/s (as tools/plan.py's collective time reads bytes)]}}."""
     import multiprocessing
     import socket
     out = {}
     ctx = multiprocessing.get_context("fork")
-    for world in (2, 4):
+    for world in worlds:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
