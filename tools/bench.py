@@ -52,17 +52,6 @@ DEFAULTS = ["train.global_batch_size=32", "train.micro_batch_size=8", "train.max
             "logger.mode=disabled"]
 
 
-def _descendants(pid):
-    """Every process below `pid`, from /proc (Linux), children before their parents."""
-    out = []
-    with contextlib.suppress(OSError):
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                for child in map(int, f.read().split()):
-                    out += _descendants(child) + [child]
-    return out
-
-
 def run_one(strategy, impl, world, overrides, run_dir, timeout=None):
     # hsdp: two replicas of world / 2 ranks each, as if the ranks were two nodes (its preset shards over a node's)
     hsdp = [f"parallel.dp_shard={max(1, world // 2)}"] if strategy == "hsdp" else []
@@ -80,7 +69,8 @@ def run_one(strategy, impl, world, overrides, run_dir, timeout=None):
     except subprocess.TimeoutExpired:
         # torchrun's ranks may sit in sessions of their own: kill every descendant, found before any dies (an orphan
         # rank would keep the pipes open, and communicate() would wait for it forever)
-        for pid in _descendants(p.pid) + [p.pid]:
+        from tools.jobs import process_tree
+        for pid in reversed(process_tree(p.pid)):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):

@@ -81,16 +81,26 @@ class Started:
         self.proc, self.cmd, self.spec, self.out, self.err = proc, cmd, spec, out, err
 
     def pause(self, stop=True):
-        """Stop (or continue) the whole launch, its agent and ranks: its own session's process group."""
+        """Stop (or continue) the whole launch, its agent and ranks."""
         import signal
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGSTOP if stop else signal.SIGCONT)
+        self._signal(signal.SIGSTOP if stop else signal.SIGCONT)
 
     def kill(self):
         """Kill the whole launch, its agent and every rank (a killed agent alone leaves its ranks running)."""
         import signal
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, sig):
+        """`sig` to the agent and every process under it. Not its process group alone: torchrun starts each rank
+        in a session of its own (torch.distributed.elastic's subprocess handler), so a signal to the agent's group
+        never reached the ranks, and the tests that measure speed ran beside a launch that went on computing."""
+        if self.proc.poll() is not None:
+            return
+        for pid in process_tree(self.proc.pid):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:  # ended meanwhile
+                pass
 
     def finish(self, timeout=None):
         """Wait for the launch (killing it past `timeout` seconds: subprocess.TimeoutExpired); its
@@ -110,6 +120,17 @@ class Started:
             text.append(f.read())
             f.close()
         return subprocess.CompletedProcess(self.cmd, self.proc.returncode, *text)
+
+
+def process_tree(pid):
+    """pid and every process under it, parents first (from /proc: Linux), found before any is signalled."""
+    out = [pid]
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                for child in map(int, f.read().split()):
+                    out += process_tree(child)
+    return out
 
 
 def launch(nproc, jobs, timeout=None, env=None, script=("-m", "tools.jobs")):

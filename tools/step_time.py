@@ -388,7 +388,7 @@ def _measure_cpu(min_time, log=print, dtypes=("float32", "bfloat16"), worlds=(2,
 
 
 def probe(worlds=(2, 4), rounds=9, calls=10):
-    """How fast this machine computes now: {"1": seconds per call of _compute_load (about 4 ms of matmuls) in one
+    """How fast this machine computes now: {"1": seconds per call of a small mix of work (about 7 ms) in one
     process, "N": per call in each of N processes computing at once}, in about a second per world. On this project's
     VMs the same step ran 10% slower alone and 35% slower on 2 ranks a few minutes later (2026-12-07, AVX2 EPYC: other
     tenants' load), so a profile measured once can't price a run measured later; relevel carries it to the speed
@@ -398,7 +398,7 @@ def probe(worlds=(2, 4), rounds=9, calls=10):
     import multiprocessing
     import torch
     # a step's mix: a matmul whose operands spill out of a core's cache, and element-wise work over 4 MiB tensors
-    # (a 192 x 192 product alone, cache-resident, read 2 ranks no slower than one, where steps run 5% slower)
+    # (at 2 ranks it reads 1.00-1.02 of one, as a cache-resident 192 x 192 product alone did)
     a, b, x, y = torch.randn(1024, 512), torch.randn(512, 512), torch.randn(1 << 20), torch.randn(1 << 20)
 
     def compute():
