@@ -155,3 +155,36 @@ def test_ranks_that_disagree_on_the_layout_stop(tmp_path):
     assert said.read_text() == ("the ranks disagree on the layout: rank 0 would train ddp (pp=1 dp=2 cp=1 tp=1), "
                                 "rank 1 fsdp (pp=1 dp=2 cp=1 tp=1) (different settings, or parallel=auto planned "
                                 "apart); set the layout explicitly")
+
+
+def test_auto_bench_keeps_each_candidates_fastest_round(tmp_path, monkeypatch):
+    """tools/auto_bench.py without its launch (a fake one writes each run's metrics): every candidate runs once per
+    round, forward then backward through the list; each keeps its fastest round, and the pick is rated against the
+    best of those. The rates here put candidate 1 ahead in round 0 alone and the pick ahead in round 1 alone."""
+    import json
+    from tools import auto_bench
+    from tools import jobs as launcher
+    fake_cpu_profile()
+    assert auto_bench.order(3, 2) == [(0, 0), (0, 1), (0, 2), (1, 2), (1, 1), (1, 0)]
+    launched = []
+
+    def launch(world, jobs, timeout):
+        launched.extend(jobs)
+        for n, (run_dir, overrides) in enumerate(jobs):
+            k, i = (int(x) for x in os.path.basename(run_dir)[1:].split("-")[:2])
+            step = {(0, 0): 4.0, (1, 0): 1.0, (0, 1): 2.0, (1, 1): 8.0}.get((k, i), 5.0)
+            os.makedirs(run_dir)
+            with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+                first = {"tokens_per_step": 1000, "parallel": "zero1", "auto": {"overrides": ["x=1"]}}
+                f.writelines(json.dumps(r) + "\n" for r in [first] + [{"step_time_s": step}] * 3)
+        return subprocess.CompletedProcess([], 0, "", "")
+    monkeypatch.setattr(launcher, "launch", launch)
+    said = []
+    s = auto_bench.run(str(tmp_path / "out"), 2, 3, ["model=gpt_tiny"], log=said.append, rounds=2)
+    assert len(launched) == 6 and "parallel=auto" in launched[0][1] and "parallel=auto" in launched[-1][1]
+    assert [r["rounds_tok_per_s"] for r in s["rows"]] == [[250, 1000], [500, 125], [200, 200]]
+    assert [r["measured_tok_per_s"] for r in s["rows"]] == [1000, 500, 200] and s["pick_of_best"] == 1
+    assert [r["of_best"] for r in s["rows"]] == [1, 0.5, 0.2]
+    md = (tmp_path / "out" / "auto_bench.md").read_text()
+    assert "the fastest of 2 round(s)) is 1.000 of the best measured" in md and "| 1,000 (250, 1,000) | 1.000 |" in md
+    assert json.loads((tmp_path / "out" / "auto_bench.json").read_text())["rounds"] == 2
