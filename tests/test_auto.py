@@ -168,20 +168,30 @@ def test_auto_bench_keeps_each_candidates_fastest_round(tmp_path, monkeypatch):
     assert auto_bench.order(3, 2) == [(0, 0), (0, 1), (0, 2), (1, 2), (1, 1), (1, 0)]
     launched = []
 
-    def launch(world, jobs, timeout):
+    class Started:  # the launch already over: every run's metrics written
+        proc = type("P", (), {"poll": lambda self: 0})()
+
+        def done(self):
+            return [d for d, _ in launched]
+
+        def finish(self, timeout):
+            return subprocess.CompletedProcess([], 0, "", "")
+
+    def start(world, jobs):
         launched.extend(jobs)
-        for n, (run_dir, overrides) in enumerate(jobs):
+        for run_dir, overrides in jobs:
             k, i = (int(x) for x in os.path.basename(run_dir)[1:].split("-")[:2])
             step = {(0, 0): 4.0, (1, 0): 1.0, (0, 1): 2.0, (1, 1): 8.0}.get((k, i), 5.0)
             os.makedirs(run_dir)
             with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
                 first = {"tokens_per_step": 1000, "parallel": "zero1", "auto": {"overrides": ["x=1"]}}
                 f.writelines(json.dumps(r) + "\n" for r in [first] + [{"step_time_s": step}] * 3)
-        return subprocess.CompletedProcess([], 0, "", "")
-    monkeypatch.setattr(launcher, "launch", launch)
+        return Started()
+    monkeypatch.setattr(launcher, "start", start)
     said = []
     s = auto_bench.run(str(tmp_path / "out"), 2, 3, ["model=gpt_tiny"], log=said.append, rounds=2)
     assert len(launched) == 6 and "parallel=auto" in launched[0][1] and "parallel=auto" in launched[-1][1]
+    assert [line.split()[0] for line in said[1:7]] == [f"{k}/6" for k in range(1, 7)]  # progress, a line per run
     assert [r["rounds_tok_per_s"] for r in s["rows"]] == [[250, 1000], [500, 125], [200, 200]]
     assert [r["measured_tok_per_s"] for r in s["rows"]] == [1000, 500, 200] and s["pick_of_best"] == 1
     assert [r["of_best"] for r in s["rows"]] == [1, 0.5, 0.2]

@@ -255,3 +255,25 @@ def test_jobs_in_one_launch_leave_nothing_behind(tmp_path, capfd):
         seen = json.load(open(f"{counts}.{r}"))
         # the fourth and fifth jobs repeat the first two's layouts; the sixth's start shows what the fifth left
         assert seen[1] < seen[3] == seen[4] == seen[5], f"rank {r}: gloo threads at each job's start {seen}"
+
+
+def test_a_launch_in_progress_says_which_jobs_are_done(tmp_path):
+    """tools/jobs.py Started.done: the jobs rank 0 has marked done so far, read while the launch writes; the reading
+    leaves the launch's own output whole and in order (its file offset is shared with the process writing it)."""
+    import tempfile
+    from tools import jobs
+    out, err = (tempfile.TemporaryFile("w+") for _ in range(2))
+    script = f"print('{jobs.DONE}a', flush=True); import sys; sys.stdin.readline(); print('tail'); " \
+             f"print('{jobs.DONE}b')"
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=out, stderr=err, text=True)
+    spec = tmp_path / "spec.json"
+    spec.write_text("[]")
+    started = jobs.Started(proc, ["x"], str(spec), out, err)
+    deadline = time.time() + 30
+    while not started.done() and time.time() < deadline:
+        time.sleep(0.05)
+    assert started.done() == ["a"]
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    p = started.finish(timeout=30)
+    assert p.stdout == f"{jobs.DONE}a\ntail\n{jobs.DONE}b\n"

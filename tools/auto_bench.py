@@ -85,8 +85,18 @@ def run(out, world, n, overrides, log=print, rounds=1):
     jobs = [(os.path.join(root, f"r{k}-{i}-{names[i]}"), settings[i]) for k, i in runs]
     log(f"{len(rows)} candidates fit on {world} CPU ranks; measuring {len(chosen)} of them, {rounds} round(s) of "
         f"{STEPS} steps each, in one launch of {len(jobs)} runs ...")
-    t0 = time.time()
-    p = launcher.launch(world, jobs, timeout=3600 * rounds)
+    t0, limit = time.time(), 3600 * rounds
+    started, seen = launcher.start(world, jobs), []
+
+    def progress():  # a line per run as it ends
+        for d in started.done()[len(seen):]:
+            seen.append(d)
+            log(f"  {len(seen)}/{len(jobs)} {os.path.basename(d)} ({time.time() - t0:.0f} s)")
+    while started.proc.poll() is None and time.time() - t0 < limit:
+        time.sleep(1)
+        progress()
+    progress()
+    p = started.finish(timeout=max(1.0, limit - (time.time() - t0)))
     if p.returncode:
         sys.exit(f"error: the launch failed:\n{p.stderr[-3000:]}")
     with open(os.path.join(jobs[0][0], "metrics.jsonl")) as f:

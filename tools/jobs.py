@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REFUSED = "layouts: refused "  # a job whose settings were refused: rank 0 prints this, its run dir and the line
+DONE = "layouts: done "  # a job that ran to its end: rank 0 prints this and its run dir
 
 
 def refusals(stdout):
@@ -47,7 +48,7 @@ def main(path, around=lambda run_dir: contextlib.nullcontext()):
                 print(f"{REFUSED}{run_dir}: {e}", flush=True)
             continue
         if dist.get_rank() == 0:
-            print(f"layouts: done {run_dir}", flush=True)
+            print(f"{DONE}{run_dir}", flush=True)
             print(f"layouts: {time.time() - start:.1f} s for {run_dir}", flush=True)  # where a launch's time goes
         # what the job left in cycles (its model, its optimizer) goes first: frozen, it would stay for good; then
         # what it left behind on purpose (lazily imported modules, the layouts' meshes) joins the rest
@@ -101,6 +102,13 @@ class Started:
                 os.kill(pid, sig)
             except ProcessLookupError:  # ended meanwhile
                 pass
+
+    def done(self):
+        """The run dirs of the jobs finished so far, from rank 0's "layouts: done" lines. Read with pread: the file's
+        offset is the launch's own write position (the same open file), which a seek here would move."""
+        fd = self.out.fileno()
+        text = os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
+        return [line[len(DONE):] for line in text.splitlines() if line.startswith(DONE)]
 
     def finish(self, timeout=None):
         """Wait for the launch (killing it past `timeout` seconds: subprocess.TimeoutExpired); its
