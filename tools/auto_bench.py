@@ -113,7 +113,8 @@ def run(out, world, n, overrides, log=print, rounds=1):
         x["of_best"] = x["measured_tok_per_s"] / best
     summary = {"date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(), "world": world, "overrides": overrides,
                "candidates_fit": len(rows), "picked": picked["parallel"],
-               "picked_overrides": picked["auto"]["overrides"], "pick_of_best": results[0]["of_best"], "rounds": rounds, "rows": results, "seconds": time.time() - t0}
+               "picked_overrides": picked["auto"]["overrides"], "pick_of_best": results[0]["of_best"], "rounds": rounds,
+               "rows": results, "seconds": time.time() - t0}
     with open(os.path.join(out, "auto_bench.json"), "w") as f:
         json.dump(summary, f, indent=1)
     text = markdown(summary)
