@@ -57,8 +57,11 @@ def local_files(dcfg):
     if dcfg.source == "pycode":
         root = sysconfig.get_paths()["stdlib"]
         skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "encodings"}  # encodings: codec tables
-        files = sorted(f for f in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
-                       if not skip & set(os.path.relpath(f, root).split(os.sep)))
+        files = []
+        for folder, dirs, names in os.walk(root):  # not into the skipped folders: site-packages alone holds torch, and
+            dirs[:] = [d for d in dirs if d not in skip and not d.startswith(".")]  # globbing it all took 0.7 s
+            files += [os.path.join(folder, n) for n in names if n.endswith(".py") and not n.startswith(".")]
+        files.sort()
         if not files:
             raise DataError(f"data=pycode: no .py files under the standard library at {root}")
     else:
