@@ -257,6 +257,33 @@ def test_jobs_in_one_launch_leave_nothing_behind(tmp_path, capfd):
         assert seen[1] < seen[3] == seen[4] == seen[5], f"rank {r}: gloo threads at each job's start {seen}"
 
 
+def test_a_launch_composes_each_job_once(tmp_path):
+    """tools/jobs.py composed: rank r composes jobs r, r + world, ... and every rank gets every config in order; a
+    composition that fails comes back as one line naming the job's overrides and the error, for every rank to
+    raise at that job's turn."""
+    import json
+    import torch.distributed as dist
+    from conftest import forked
+    from tools import jobs
+
+    def compose(overrides):
+        if overrides == ["train.nope=1"]:
+            raise KeyError("train.nope")
+        return {"overrides": overrides, "by": dist.get_rank()}
+
+    def rank():
+        dist.init_process_group("gloo")
+        got = jobs.composed([[f"job{i}"] for i in range(5)] + [["train.nope=1"]], compose)
+        with open(tmp_path / f"rank{dist.get_rank()}.json", "w") as f:
+            json.dump([c if isinstance(c, dict) else str(c) for c in got], f)
+        dist.destroy_process_group()
+    forked(2, rank)
+    for r in range(2):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert got[:5] == [{"overrides": [f"job{i}"], "by": i % 2} for i in range(5)], got
+        assert got[5] == "composing train.nope=1: KeyError: 'train.nope'", got[5]
+
+
 def test_a_launch_in_progress_says_which_jobs_are_done(tmp_path):
     """tools/jobs.py Started.done: the jobs rank 0 has marked done so far, read while the launch writes; the reading
     leaves the launch's own output whole and in order (its file offset is shared with the process writing it)."""
