@@ -214,7 +214,7 @@ def launch(fn, cfg, run_dir, lc):
                           start_method="forkserver")
     # forkserver: each rank is forked from a fresh interpreter (not from this process: whatever it holds, a CUDA
     # context included, stays here) that has imported train.py and torch once, where spawn imported them again in
-    # every rank of every job: 3-5 s of CPU a rank, 300 of the test suite's 2,070 CPU-seconds (py-spy, 2026-12-07).
+    # every rank of every job: 3-5 s of CPU a rank, 309 of the test suite's 2,068 CPU-seconds (py-spy, 2026-12-07).
     # The server starts at the first launch and keeps that moment's environment for every later job's ranks
     multiprocessing.set_forkserver_preload(["__main__", "train"])
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N ranks each on all cores would thrash

@@ -260,9 +260,7 @@ class Background:
                                  if line.endswith(tuple(d for d, _ in r.jobs)) and " s for " in line)
         if self.queue:
             world, jobs = self.queue.pop(0)
-            # niced: the in-process tests, one after another, are the suite's longest lane; the launches take the
-            # cycles they leave (on 2 cores the suite used 1.6 of them on average, 1.2 once the launches were done)
-            self.running = Running(world, jobs, job_runner.start(world, jobs, niceness=10), time.time())
+            self.running = Running(world, jobs, job_runner.start(world, jobs), time.time())
 
     def wait(self, world):
         """{module name: ({key: run dir}, the launch's CompletedProcess)} once the launch of `world` has run."""

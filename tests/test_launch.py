@@ -284,18 +284,6 @@ def test_a_launch_composes_each_job_once(tmp_path):
         assert got[5] == "composing train.nope=1: KeyError: 'train.nope'", got[5]
 
 
-def test_a_niced_launch_runs_its_ranks_niced(tmp_path):
-    """tools/jobs.py start(niceness=10), as the tests' background launches are started: the agent and its ranks
-    yield the CPU to the in-process tests."""
-    from tools import jobs
-    script = tmp_path / "rank.py"
-    script.write_text("import os, sys\nprint('rank niceness', os.nice(0), 'parent', os.getppid(), flush=True)\n")
-    started = jobs.start(1, [], script=(str(script),), niceness=10)
-    p = started.finish(timeout=120)
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert f"rank niceness 10 parent {started.proc.pid}" in p.stdout, p.stdout  # the agent's child, niced
-
-
 def test_a_launch_in_progress_says_which_jobs_are_done(tmp_path):
     """tools/jobs.py Started.done: the jobs rank 0 has marked done so far, read while the launch writes; the reading
     leaves the launch's own output whole and in order (its file offset is shared with the process writing it)."""

@@ -474,13 +474,12 @@ def run(a, bundle):
     name = torch.cuda.get_device_name(0) if a.device == "cuda" else "CPU"
     if a.tiny:
         dtype, models, modes, train = torch.float32, {"gpt_tiny": 4}, [m for m in MODES if not m[2]], TINY
-        n = 256
-        measured = matmul_flops(device, dtype, n=n, iters=200, rounds=20)
+        n, iters, rounds = 256, 200, 20
     else:
         dtype, models, train = torch.bfloat16, MODELS, STEPS
         modes = [m for m in MODES if a.compile == "both" or m[2] == (a.compile == "yes")]
-        n = 8192
-        measured = matmul_flops(device, dtype, n=n)
+        n, iters, rounds = 8192, 50, 5
+    measured = matmul_flops(device, dtype, n, iters, rounds)
     peak = peak_flops(name)  # None on a CPU or an unlisted GPU
     print(f"{name}: {str(dtype)[6:]} matmul {measured / 1e12:.1f} TFLOP/s measured"
           + (f", {peak / 1e12:.0f} datasheet" if peak else ""), flush=True)

@@ -79,18 +79,18 @@ def main(path, around=lambda run_dir: contextlib.nullcontext()):
     dist.destroy_process_group()
 
 
-def start(nproc, jobs, env=None, script=("-m", "tools.jobs"), niceness=0):
+def start(nproc, jobs, env=None, script=("-m", "tools.jobs")):
     """Start `jobs` [(run dir, [overrides])] on nproc local ranks in one torchrun launch, without waiting; a Started
     whose finish() waits for it and returns the CompletedProcess. `script`: what each rank runs with the jobs file
-    (a test's own, which calls main). `niceness` > 0: the launch and its ranks yield the CPU to other work (nice)."""
+    (a test's own, which calls main)."""
     import subprocess
     import tempfile
     spec = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
     with spec as f:
         json.dump([[d, list(o)] for d, o in jobs], f)
     out, err = (tempfile.TemporaryFile("w+") for _ in range(2))  # files, not pipes: nobody reads while it runs
-    cmd = [*(["nice", "-n", str(niceness)] if niceness else []), sys.executable, "-m", "torch.distributed.run",
-           "--standalone", f"--nproc_per_node={nproc}", *script, spec.name]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           *script, spec.name]
     proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=ROOT, start_new_session=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     return Started(proc, cmd, spec.name, out, err)
