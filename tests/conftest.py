@@ -35,8 +35,9 @@ needs_bf16 = pytest.mark.skipif(not BF16, reason="this CPU can't compute in bflo
 
 @pytest.fixture(scope="session", autouse=True)
 def token_cache(tmp_path_factory):
-    """One data cache for the session, so each corpus is tokenized once, never in the user's ~/.cache."""
-    path = str(tmp_path_factory.mktemp("cache"))
+    """One data cache for the session (all its xdist workers and launches: data/prepare.py writes each corpus whole,
+    atomically), so each corpus is tokenized once, never in the user's ~/.cache."""
+    path = str(session_dir(tmp_path_factory, "cache"))
     os.environ["NANOPARALLEL_CACHE"] = path
     return path
 
@@ -78,8 +79,9 @@ def fake_cpu_profile():
                "elementwise": {"4": per, "2": per}, "gloo": {"2": gloo, "4": gloo}}
     path = step_time.profile_path()
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
+    with open(f"{path}.{os.getpid()}", "w") as f:  # whole, at once: another xdist worker may be reading it
         json.dump(profile, f)
+    os.replace(f"{path}.{os.getpid()}", path)
     step_time._PROFILES.pop(path, None)
     return profile
 
@@ -145,14 +147,20 @@ def torchrun(nproc, run_dir, *overrides, timeout=240, env=None):
     return p
 
 
+def free_port():
+    """A TCP port free on this machine now, for a rendezvous (not one made from the pid: two xdist workers' tests
+    may run at once)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def forked(world, fn):
     """fn() on `world` ranks forked from this process, with the variables torchrun would set. Each rank then starts
     with torch and train.py imported: 2-4 s a job here instead of torchrun's 13-30 s (fresh interpreters)."""
     import multiprocessing
-    import socket
-    with socket.socket() as s:  # a free port for the rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
 
     def rank_main(rank):
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
@@ -213,64 +221,111 @@ def launch_users(items, world):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """The tests that read a launch go last, in their order: the launches run while the others do."""
+    """The tests that read a launch go last, in their order: the launches run while the others do. Under pytest-xdist
+    (pytest.ini: `-n auto --dist loadgroup`), a test that uses a module-scoped fixture goes to a worker with the rest
+    of its module's such tests (a group: the fixture is made once), the readers of a launch in a group of their own;
+    any other test goes wherever a worker is free."""
     users = [item for item in items if any(reads(item, w) for w in WORLDS)]
     ids = {id(item) for item in users}
     items[:] = [item for item in items if id(item) not in ids] + users
+    for item in items:
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        if any(d[-1].scope == "module" for d in defs.values() if d):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__ + ("-launch" if id(item) in ids else "")))
 
 
-Running = collections.namedtuple("Running", "world jobs started t0")  # a launch under way, since time t0
+def session_dir(tmp_path_factory, name):
+    """A folder of this session's that every pytest-xdist worker shares (each worker's basetemp lies under one
+    root; without xdist, the basetemp)."""
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 class Background:
-    """The session's launches: planned at its start (each module's jobs and run dirs), run one after another in the
-    background, each awaited by its fixture. Nothing runs in a thread (forked ranks don't mix with threads): a
-    launch starts when the one before it is seen to end, by any test's setup or a fixture's wait."""
+    """The session's launches: planned at its start (each module's jobs and run dirs, the same on every xdist worker),
+    and run one after another by tests/launches.py, a process of their own that the first worker to get here starts
+    (the owner). Every worker reads a launch's result from the file it leaves (`wait`): the chain needs nobody to
+    drive it, so a worker that has run out of tests, or never had one, holds nothing up."""
 
     def __init__(self, request, tmp_path_factory):
-        self.plans, self.queue, self.running, self.done = {}, [], None, {}
+        import json
+        import subprocess
+        import sys
+        self.plans, queue, self.done = {}, [], {}
+        self.dir = session_dir(tmp_path_factory, "launches")
         for world in WORLDS:
             users = launch_users(request.session.items, world) & LAUNCHES.get(world, {}).keys()
             if not users:
                 continue
-            root, dirs, jobs = tmp_path_factory.mktemp(f"launch{world}"), {}, []
+            root, dirs, jobs = session_dir(tmp_path_factory, f"launch{world}"), {}, []
             for module in sorted(users):
                 these = LAUNCHES[world][module](root / module, _Planned(request, self))
                 dirs[module] = {key: run_dir for key, (run_dir, _) in these.items()}
-                jobs += these.values()
+                jobs += [(str(d), list(o)) for d, o in these.values()]
             self.plans[world] = dirs
-            self.queue.append((world, jobs))
-        self.poll()
+            queue.append((world, jobs))
+        if not queue:
+            return
+        try:  # the owner: the first worker here
+            os.close(os.open(self.dir / "owner", os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return
+        with open(self.dir / "plan.json", "w") as f:
+            json.dump(queue, f)
+        # the pytest process the session belongs to: xdist's controller, the parent of its workers
+        session_pid = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
+        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "launches.py"), str(self.dir / "plan.json"),
+                                 str(self.dir), str(session_pid)], cwd=ROOT, start_new_session=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self.owned = proc
+        (self.dir / "pid.tmp").write_text(str(proc.pid))
+        os.replace(self.dir / "pid.tmp", self.dir / "pid")
 
-    def poll(self):
-        """Collect the launch under way if it has ended, and start the next."""
+    owned = None  # the chain's process, on its owner
+
+    def pid(self, wait_s=0):
+        """The chain's process id, once its owner has started it (waiting up to wait_s for that); else None."""
+        deadline = time.time() + wait_s
+        while not (self.dir / "pid").exists():
+            if time.time() >= deadline:
+                return None
+            time.sleep(0.2)
+        return int((self.dir / "pid").read_text())
+
+    def signal(self, sig):
+        """`sig` to the chain and every process under it (tools/jobs.py process_tree: torchrun's ranks each run in a
+        session of their own, out of reach of a process group's signal)."""
         from tools import jobs as job_runner
-        r = self.running
-        if r is not None:
-            if r.started.proc.poll() is None:
-                return
-            p = self.done[r.world] = r.started.finish()
-            self.running = None
-            REFUSED.update(job_runner.refusals(p.stdout))
-            if os.environ.get("JOB_TIMES"):  # where a launch's time goes: JOB_TIMES=FILE pytest ... gets a line per job
-                with open(os.environ["JOB_TIMES"], "a") as f:
-                    f.write(f"launch of {r.world} ranks, {len(r.jobs)} jobs: {time.time() - r.t0:.1f} s (beside the "
-                            "other tests)\n")
-                    f.writelines(line + "\n" for line in p.stdout.splitlines()
-                                 if line.endswith(tuple(d for d, _ in r.jobs)) and " s for " in line)
-        if self.queue:
-            world, jobs = self.queue.pop(0)
-            self.running = Running(world, jobs, job_runner.start(world, jobs), time.time())
+        pid = self.pid()
+        for p in job_runner.process_tree(pid) if pid and not self.finished() else ():
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:  # ended meanwhile
+                pass
+
+    def finished(self):
+        return all((self.dir / f"launch{world}.json").exists() for world in self.plans)
 
     def wait(self, world):
         """{module name: ({key: run dir}, the launch's CompletedProcess)} once the launch of `world` has run."""
+        import json
+        import subprocess
+        from tools import jobs as job_runner
         assert world in self.plans, f"no test selected uses launch{world}"
-        while world not in self.done:
-            r = self.running
-            if r and time.time() - r.t0 > max(600, 60 * len(r.jobs)):
-                r.started.kill()  # a hang fails the tests instead of stalling the suite
-            self.poll()
-            time.sleep(0.2)
+        if world not in self.done:
+            path = self.dir / f"launch{world}.json"
+            pid = self.pid(wait_s=600)
+            assert pid, "the launches never started: no worker took them on"
+            while not path.exists():
+                assert os.path.exists(f"/proc/{pid}") or path.exists(), f"the launches' process {pid} ended " \
+                    f"without a result for launch{world} (its output: pytest -n 0 shows it)"
+                time.sleep(0.2)
+            r = json.loads(path.read_text())
+            self.done[world] = subprocess.CompletedProcess("launch", r["returncode"], r["stdout"],
+                                                           r["stderr"] + r["note"])
+            REFUSED.update(job_runner.refusals(r["stdout"]))
         p = self.done[world]
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
         return {module: (d, p) for module, d in self.plans[world].items()}
@@ -289,34 +344,34 @@ class _Planned:
         return self.request.getfixturevalue(name)
 
 
-BACKGROUND = []  # the session's Background, once its first test has started
+BACKGROUND = []  # this worker's Background, once its first test has started
 
 
 @pytest.fixture(scope="session", autouse=True)
 def background_launches(request, tmp_path_factory, token_cache):
+    import signal
     BACKGROUND.append(Background(request, tmp_path_factory))
     yield
-    if BACKGROUND[0].running:  # a session that ends early (-x, a ^C) leaves no launch behind
-        BACKGROUND[0].running.started.kill()
+    owned = BACKGROUND[0].owned
+    # a session that ends early (-x, a ^C) leaves no launch behind; under xdist the chain outlives its owner (the
+    # other workers may still read it) and ends itself when the session's process does
+    if owned and owned.poll() is None and not os.environ.get("PYTEST_XDIST_WORKER"):
+        BACKGROUND[0].signal(signal.SIGKILL)
     BACKGROUND.clear()
-
-
-def pytest_runtest_setup(item):
-    if BACKGROUND:
-        BACKGROUND[0].poll()
 
 
 @pytest.fixture(autouse=True)
 def quiet(request):
     """@pytest.mark.quiet: a test that measures speed runs with the background launch stopped (SIGSTOP to its
-    process group, SIGCONT after): sharing the cores, its rates came out of step with each other (a step's FLOP rate
-    over a matmul's 1.1, seen in a clean clone)."""
-    running = BACKGROUND[0].running if BACKGROUND and request.node.get_closest_marker("quiet") else None
-    if running:
-        running.started.pause()
+    process and every one under it, SIGCONT after): sharing the cores, its rates came out of step with each other (a
+    step's FLOP rate over a matmul's 1.1, seen in a clean clone). (The other xdist worker's tests go on.)"""
+    import signal
+    background = BACKGROUND[0] if BACKGROUND and request.node.get_closest_marker("quiet") else None
+    if background:
+        background.signal(signal.SIGSTOP)
     yield
-    if running:
-        running.started.pause(stop=False)
+    if background:
+        background.signal(signal.SIGCONT)
 
 
 def shared_launch(world):

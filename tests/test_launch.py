@@ -16,7 +16,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import ROOT, RUN, STEPS, losses, make_cfg, read_metrics, small_run
+from conftest import ROOT, RUN, STEPS, free_port, losses, make_cfg, read_metrics, small_run
 import launch
 from tools import report
 
@@ -46,7 +46,7 @@ def test_torchrun_two_agents_share_one_run_dir(tmp_path):
     """Two torchrun agents, --nnodes=2, c10d rendezvous on localhost; their clocks in different time zones, so
     only rank 0's timestamp, shared through the rendezvous store, can give them one run dir."""
     out = tmp_path / "out"
-    port = 29400 + os.getpid() % 500
+    port = free_port()
     agents = []
     for node, tz in ((0, "UTC"), (1, "Asia/Tokyo")):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
@@ -67,7 +67,7 @@ def test_torchrun_two_agents_share_one_run_dir(tmp_path):
 def test_self_launch_on_two_nodes_shares_one_run_dir(tmp_path):
     """launcher.nnodes=2: two `python train.py` processes, a rank each, in different time zones again."""
     out = tmp_path / "out"
-    port = 29900 + os.getpid() % 500
+    port = free_port()
     nodes = [subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *QUICK, "parallel=ddp",
                                f"train.out_dir={out}", "launcher.nproc_per_node=1", "launcher.nnodes=2",
                                f"launcher.rdzv_endpoint=localhost:{port}", "launcher.rdzv_id=two-nodes"], cwd=ROOT,

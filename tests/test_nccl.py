@@ -12,7 +12,6 @@
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -20,7 +19,7 @@ import pytest
 import torch
 
 import train
-from conftest import ROOT, assert_same_steps, make_cfg, read_metrics, small_run
+from conftest import ROOT, assert_same_steps, free_port, make_cfg, read_metrics, small_run
 from parallel import comm
 
 STEPS = ["train.global_batch_size=8", "train.micro_batch_size=1", "train.max_steps=3", "train.eval_every=100",
@@ -141,9 +140,7 @@ def test_two_nodes_share_a_cache_and_refuse_unshared_checkpoints(tmp_path):
     between them and a train.out_dir each: both local ranks 0 tokenize into the shared cache at once (an atomic
     replace: neither crashes, one copy stays), then every rank stops with one line, since checkpoints need a
     train.out_dir both nodes see; nothing of the run is written."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cache = tmp_path / "cache"
     procs = []
     for node in (0, 1):

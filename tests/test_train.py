@@ -56,13 +56,16 @@ def test_short_run_learns_and_logs(tmp_path):
 
 def bad(tmp_path, *overrides):
     """Run with bad settings: it must fail with a clear error and write nothing at all."""
-    run_dir = tmp_path / "run"
-    cache = os.environ["NANOPARALLEL_CACHE"]
-    before = sorted(os.listdir(cache))
-    with pytest.raises((train.ConfigError, prepare.DataError)) as err:
-        train.run(make_cfg(*small_run(*overrides)), str(run_dir))
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"  # a cache of its own: the session's is shared (xdist)
+    cache.mkdir()
+    session_cache, os.environ["NANOPARALLEL_CACHE"] = os.environ["NANOPARALLEL_CACHE"], str(cache)
+    try:
+        with pytest.raises((train.ConfigError, prepare.DataError)) as err:
+            train.run(make_cfg(*small_run(*overrides)), str(run_dir))
+    finally:
+        os.environ["NANOPARALLEL_CACHE"] = session_cache
     assert not run_dir.exists() or not os.listdir(run_dir)
-    assert sorted(os.listdir(cache)) == before
+    assert os.listdir(cache) == []
     return str(err.value)
 
 
