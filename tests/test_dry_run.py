@@ -1,7 +1,7 @@
 """Dry runs at cluster scale (tools/dry_run.py): this pytest process plays one rank of 64 or 512 under torch's fake
 process group, with the real strategies, and the planner's state and communication must equal what it measures,
 within 1%. Fake tensors where the rank's work is large; real ones where it is small, and both agree to the byte.
-`pytest tests/test_dry_run.py -s` prints the ratios."""
+`pytest tests/test_dry_run.py -s -n 0` prints the ratios."""
 import itertools
 import json
 import os
