@@ -53,6 +53,19 @@ def test_block_ops_are_the_blocks_matmuls(settings):
     assert len(attention) == 1 and attention[0][1] == 4 * 64 * 16 * cfg.n_head * cfg.head_dim  # causal: seq / 2
 
 
+def test_sequence_parallel_norms_see_a_tp_share():
+    """Under sequence parallelism (parallel/tp.py) the residual stream between the tp regions is split along the
+    sequence: each rank's norms and residual adds see 1/tp of the tokens, and nothing else changes."""
+    shape = {"n_embd": 64, "n_head": 4, "hidden": 256}
+    plain, sp = (step_time.block_ops(shape, tokens=128, seq=64, tp=4, sp=s) for s in (False, True))
+    assert len(plain) == len(sp)
+    for a, b in zip(plain, sp):
+        if a[:2] in (("elementwise", "norm"), ("elementwise", "residual")):
+            assert (a[2], b[2]) == (128 * 64, 128 * 64 // 4)
+        else:
+            assert a == b
+
+
 def test_gpu_matmul_model_against_the_h200():
     """The wave-quantization model (tile 128 x 128 over 132 SMs, 0.72 of peak, 4 us a kernel) against the bf16
     products tools/device_bench.py measured on an H200 (2026-12-04): of those that ran longer than 30 us (shorter
@@ -99,7 +112,10 @@ def test_published_runs():
     """Every bf16 row of tools/published_runs.py is planned (none refused), its measured tokens/s per GPU read
     from the source's own figure; the source's MFU, where it gives both, agrees with its tokens/s under our FLOP
     count within 10% (the sources count FLOPs a little differently); and the planner's accuracy does not slip below
-    what it was on 2026-12-06 (python -m tools.published: 23 of 50 rows within 15%)."""
+    what it was on 2026-12-07 (python -m tools.published: 22 of 50 rows within 15%). It was 23 before sequence
+    parallel's norms and residual adds were priced at 1/tp of the tokens: that puts Megatron's selective + SP rows'
+    gain over full recompute at 1.35, 1.30 and 1.30 (175B, 530B, 1T) against its measured 1.32, 1.29 and 1.32, and
+    moves torchtitan's H100 FSDP x TP rows, over already, further out."""
     results = published.compare()
     assert len(results) == 50 and not [r["problem"] for r in results if r["problem"]]
     for r in results:
@@ -108,7 +124,7 @@ def test_published_runs():
         if row["mfu"] and row["tokens_per_s_per_gpu"]:
             ours = r["measured"] * r["flops_per_token"] / plan.GPUS[row["gpu"]]["peak"]
             assert ours == pytest.approx(row["mfu"], rel=0.10), row["name"]
-    assert sum(0.85 <= r["ratio"] <= 1.15 for r in results) >= 23
+    assert sum(0.85 <= r["ratio"] <= 1.15 for r in results) >= 22
 
 
 @pytest.mark.timing

@@ -778,7 +778,8 @@ def compute_time(layout, shape, accum, micro, seq, knobs, ac, checkpointed, plan
     autocast = act_bytes == 2 and knobs["param_dtype"] == "float32"
     residual = DTYPE_BYTES[knobs["param_dtype"]] if act_bytes == 2 else 4
     moe = shape.get("moe_blocks", 0)
-    ops = lambda is_moe: step_time_model.block_ops(shape, tokens, seq, tp, is_moe, layout.ep, autocast)  # noqa
+    ops = lambda is_moe: step_time_model.block_ops(shape, tokens, seq, tp, is_moe, layout.ep, autocast,  # noqa
+                                                    knobs["sequence_parallel"] and tp > 1)
     # (ops, times): each kind of block priced once, the L blocks as multiples of it
     blocks = [(ops(False), L - moe)] + ([(ops(True), moe)] if moe else [])
     head = step_time_model.head_ops(shape, tokens, tp, autocast) if shape.get("last", True) else []

@@ -71,16 +71,19 @@ HOST_OPS = {"matmul": (2, 3), "attention": (3, 2), "norm": (7, 12), "rope": (5, 
 
 
 # --- what a step runs
-def block_ops(shape, tokens, seq, tp=1, moe=False, ep=1, autocast=False):
+def block_ops(shape, tokens, seq, tp=1, moe=False, ep=1, autocast=False, sp=False):
     """One block's forward on one rank over `tokens` tokens (micro-batch x seq / cp), each sequence `seq` long: a
     list of ("matmul", M, N, K), ("attention", FLOPs, seq, head_dim, queries' heads) and ("elementwise", kind,
     elements). Tensor parallelism splits the heads and the MLP's width over tp (parallel/tp.py); an MoE block's
     router and routed experts run whole on every tp rank, its experts' rows balanced (each rank of ep processes
-    k x its tokens, over E / ep experts). `autocast`: float32 weights cast to bf16 for every matmul."""
+    k x its tokens, over E / ep experts). `autocast`: float32 weights cast to bf16 for every matmul. `sp`: sequence
+    parallel, whose norms and residual adds each see 1/tp of the tokens (Korthikanti et al. 2022: what it saves
+    besides memory)."""
     d, M = shape["n_embd"], tokens
+    rows = M * d // tp if sp else M * d  # the residual stream's elements on this rank
     hd = d // shape["n_head"]
     heads, kv = shape["n_head"] // tp, shape.get("kv_embd", d) // tp
-    ops = [("elementwise", "norm", M * d),
+    ops = [("elementwise", "norm", rows),
            ("matmul", M, heads * hd + 2 * kv, d),
            ("elementwise", "rope", M * (heads * hd + kv)),
            ("elementwise", "copy", M * kv),
@@ -88,8 +91,8 @@ def block_ops(shape, tokens, seq, tp=1, moe=False, ep=1, autocast=False):
            ("attention", 4 * M * (seq / 2) * heads * hd, seq, hd, heads),
            ("elementwise", "copy", M * heads * hd),
            ("matmul", M, d, heads * hd),
-           ("elementwise", "residual", M * d),
-           ("elementwise", "norm", M * d)]
+           ("elementwise", "residual", rows),
+           ("elementwise", "norm", rows)]
     if moe:
         E, k = shape["n_experts"], shape["top_k"]
         ops += [("matmul", M, E, d), ("elementwise", "router", M * E), ("elementwise", "copy", 2 * M * k * d)]
@@ -98,7 +101,7 @@ def block_ops(shape, tokens, seq, tp=1, moe=False, ep=1, autocast=False):
             ops += mlp_ops(shape, M, shape["shared_hidden"] // tp)
     else:
         ops += mlp_ops(shape, M, shape.get("hidden", 4 * d) // tp)
-    ops.append(("elementwise", "residual", M * d))
+    ops.append(("elementwise", "residual", rows))
     if autocast:
         ops += [("elementwise", "cast", o[2] * o[3]) for o in ops if o[0] == "matmul"]
     return ops
