@@ -243,6 +243,15 @@ def session_dir(tmp_path_factory, name):
     return path
 
 
+def running(pid):
+    """Whether process `pid` runs (an ended one that its parent has not reaped yet, a zombie, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 class Background:
     """The session's launches: planned at its start (each module's jobs and run dirs, the same on every xdist worker),
     and run one after another by tests/launches.py, a process of their own that the first worker to get here starts
@@ -319,8 +328,8 @@ class Background:
             pid = self.pid(wait_s=600)
             assert pid, "the launches never started: no worker took them on"
             while not path.exists():
-                assert os.path.exists(f"/proc/{pid}") or path.exists(), f"the launches' process {pid} ended " \
-                    f"without a result for launch{world} (its output: pytest -n 0 shows it)"
+                assert running(pid) or path.exists(), f"the launches' process {pid} ended without a result for " \
+                    f"launch{world} (its output: pytest -n 0 shows it)"
                 time.sleep(0.2)
             r = json.loads(path.read_text())
             self.done[world] = subprocess.CompletedProcess("launch", r["returncode"], r["stdout"],

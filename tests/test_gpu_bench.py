@@ -111,7 +111,7 @@ def imports(log):
     return found, loaded
 
 
-def gpu_bench(*args, env, timeout=120):
+def gpu_bench(*args, env, timeout=600):
     return subprocess.run([sys.executable, "-m", "tools.gpu_bench", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -120,7 +120,9 @@ def gpu_bench(*args, env, timeout=120):
                                                                                 "tiktoken_cache")),
                     reason="needs ../shared/data/tinyshakespeare.txt and ../shared/tiktoken_cache")
 def test_gpu_bench_runs_on_a_bare_image_from_its_bundle(tmp_path):
-    t0 = time.time()
+    import resource
+    cpu = lambda: (lambda r: r.ru_utime + r.ru_stime)(resource.getrusage(resource.RUSAGE_CHILDREN))  # noqa: E731
+    c0 = cpu()
     bundle = str(tmp_path / "bundle")
     # built here, as before a device run (--offline: the packages installed here, not PyPI's, so no network)
     p = gpu_bench("--bundle", bundle, "--offline", "--shared", SHARED, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -168,10 +170,12 @@ def test_gpu_bench_runs_on_a_bare_image_from_its_bundle(tmp_path):
             how, where = mods[name]
             assert how == "found" and where.startswith(site), (pid, name, how, where)  # the bundle's alone
     assert all({"torch", "numpy", "tiktoken", "hydra", "omegaconf"} <= loaded[pid] for pid in ranks)
-    # a guard against the tiny path growing, not a benchmark (so not `quiet`: stopping the background launch for
-    # it left about one core idle for its 33 s, 2026-12-07): bundle and run took 57 s alone and 88.6 s in the suite
-    # on a 2-core AMD EPYC (AVX2, 2026-12-03), where 90 s had been the bound
-    assert time.time() - t0 < 180
+    # a guard against the tiny path growing, not a benchmark: the CPU its processes took, which the cores' sharing
+    # with the suite's other lane and its launches does not move as it moves the wall clock (the --tiny run alone took
+    # over 120 s of wall beside them, 2026-12-07). Bundle and runs: 32.7 CPU-s (34.5 s) alone on a 2-core AMD EPYC
+    # (AVX2, 2026-12-07); the bound keeps the 3x margin the wall clock's 180 s had over its 57 s
+    print(f"bundle and runs: {cpu() - c0:.1f} CPU-s")
+    assert cpu() - c0 < 90
 
 
 def test_compiled_jobs_get_their_floor_and_say_where_they_ran_out(tmp_path, monkeypatch):
