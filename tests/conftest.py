@@ -1,6 +1,5 @@
 """Shared test helpers: configs composed as `python train.py ...` would, a token cache shared by the session,
 a small real corpus, and a reader for W&B's offline run files."""
-import collections
 import glob
 import json
 import os
@@ -222,7 +221,7 @@ def launch_users(items, world):
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """The tests that read a launch go last, in their order: the launches run while the others do. Under pytest-xdist
-    (pytest.ini: `-n auto --dist loadgroup`), a test that uses a module-scoped fixture goes to a worker with the rest
+    (pytest.ini: `-n logical --dist loadgroup`), a test that uses a module-scoped fixture goes to a worker with the rest
     of its module's such tests (a group: the fixture is made once), the readers of a launch in a group of their own;
     any other test goes wherever a worker is free."""
     users = [item for item in items if any(reads(item, w) for w in WORLDS)]
@@ -243,15 +242,6 @@ def session_dir(tmp_path_factory, name):
     return path
 
 
-def running(pid):
-    """Whether process `pid` runs (an ended one that its parent has not reaped yet, a zombie, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 class Background:
     """The session's launches: planned at its start (each module's jobs and run dirs, the same on every xdist worker),
     and run one after another by tests/launches.py, a process of their own that the first worker to get here starts
@@ -262,7 +252,7 @@ class Background:
         import json
         import subprocess
         import sys
-        self.plans, queue, self.done = {}, [], {}
+        self.plans, queue, self.done, self.owned = {}, [], {}, None  # owned: the chain's process, on its owner
         self.dir = session_dir(tmp_path_factory, "launches")
         for world in WORLDS:
             users = launch_users(request.session.items, world) & LAUNCHES.get(world, {}).keys()
@@ -285,14 +275,12 @@ class Background:
             json.dump(queue, f)
         # the pytest process the session belongs to: xdist's controller, the parent of its workers
         session_pid = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
-        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "launches.py"), str(self.dir / "plan.json"),
-                                 str(self.dir), str(session_pid)], cwd=ROOT, start_new_session=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "launches.py"),
+                                 str(self.dir / "plan.json"), str(self.dir), str(session_pid)],
+                                cwd=ROOT, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         self.owned = proc
         (self.dir / "pid.tmp").write_text(str(proc.pid))
         os.replace(self.dir / "pid.tmp", self.dir / "pid")
-
-    owned = None  # the chain's process, on its owner
 
     def pid(self, wait_s=0):
         """The chain's process id, once its owner has started it (waiting up to wait_s for that); else None."""
@@ -328,8 +316,8 @@ class Background:
             pid = self.pid(wait_s=600)
             assert pid, "the launches never started: no worker took them on"
             while not path.exists():
-                assert running(pid) or path.exists(), f"the launches' process {pid} ended without a result for " \
-                    f"launch{world} (its output: pytest -n 0 shows it)"
+                assert job_runner.running(pid) or path.exists(), f"the launches' process {pid} ended without a " \
+                    f"result for launch{world} (its output: pytest -n 0 shows it)"
                 time.sleep(0.2)
             r = json.loads(path.read_text())
             self.done[world] = subprocess.CompletedProcess("launch", r["returncode"], r["stdout"],

@@ -14,14 +14,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def write(path, record):
     with open(path + ".tmp", "w") as f:
         json.dump(record, f)
@@ -36,7 +28,7 @@ def main(plan_path, out_dir, pid):
         t0, limit = time.time(), max(600, 60 * len(jobs))
         started = job_runner.start(world, jobs)
         while started.proc.poll() is None:
-            if not alive(pid):  # the session is gone (a ^C, -x): nobody will read this launch
+            if not job_runner.running(pid):  # the session is gone (a ^C, -x): nobody will read this launch
                 started.kill()
                 return
             if time.time() - t0 > limit:

@@ -162,6 +162,16 @@ def process_tree(pid):
     return out
 
 
+def running(pid):
+    """Whether process `pid` runs (from /proc: Linux); one that has ended but that its parent has not reaped yet (a
+    zombie) does not."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def launch(nproc, jobs, timeout=None, env=None, script=("-m", "tools.jobs")):
     """Run `jobs` [(run dir, [overrides])] on nproc local ranks in one torchrun launch; the CompletedProcess."""
     return start(nproc, jobs, env, script).finish(timeout)
