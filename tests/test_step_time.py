@@ -67,16 +67,43 @@ def test_sequence_parallel_norms_see_a_tp_share():
 
 
 def test_gpu_matmul_model_against_the_h200():
-    """The wave-quantization model (tile 128 x 128 over 132 SMs, 0.72 of peak, 4 us a kernel) against the bf16
-    products tools/device_bench.py measured on an H200 (2026-12-04): of those that ran longer than 30 us (shorter
-    ones time the host's loop, not the GPU), at least 40 of 51 within 15%, the median within 5%."""
+    """The wave-quantization model (tile 128 x 128 over 132 SMs, 0.72 of peak, each tile's pass 128 deeper than K,
+    4 us a kernel) against the bf16 products tools/device_bench.py measured on an H200 (2026-12-04): of those that
+    ran longer than 30 us (shorter ones time the host's loop, not the GPU), at least 48 of 51 within 15% (49 seen;
+    43 before the tile's depth was counted, the products 1024 deep at 0.77-0.84), the median within 5%."""
     with open(os.path.join(ROOT, "docs", "h200", "device_bench.json")) as f:
         rows = [r for r in json.load(f)["matmul"] if r["dtype"] == "bfloat16" and r["seconds"] > 30e-6]
     gpu = step_time.GPU("h200", plan.GPUS["h200"])
     ratios = sorted(gpu.matmul_s(r["M"], r["N"], r["K"], 2) / r["seconds"] for r in rows)
     assert len(rows) == 51
-    assert sum(0.85 <= x <= 1.15 for x in ratios) >= 40, ratios
+    assert sum(0.85 <= x <= 1.15 for x in ratios) >= 48, ratios
     assert ratios[len(ratios) // 2] == pytest.approx(1.0, abs=0.05)
+
+
+def test_h200_compiled_runs():
+    """The planner against the project's own training steps on a GPU: the six compiled runs of
+    tools/gpu_bench.py on an H200 (docs/h200/gpu_bench_compiled.json, 2026-12-04: gpt_125m at micro-batch 64 and
+    gpt_350m at 32, sequences of 1024, bf16; single, our FSDP and FSDP2 on one rank), each predicted step within 15%
+    of the measured one but one, and that one within 20%: predicted / measured 0.84-0.93 (2026-12-07; gpt_350m
+    under our FSDP at 0.844: its bf16 working weights priced a little faster than single, where the run measured
+    2% slower). Priced with eager's element-wise bytes (the loss's float32 passes over 65,536 x 50,304 logits),
+    gpt_125m came out at 1.31x its step. The runs predate model.LinearCrossEntropy (their loss
+    was CrossEntropy over whole logits, compiled into one graph): the same matmuls, and element-wise passes that
+    compile fuses alike."""
+    with open(os.path.join(ROOT, "docs", "h200", "gpu_bench_compiled.json")) as f:
+        rows = [r for r in json.load(f)["rows"] if r["compile"] == "yes" and r["status"] == "ok"]
+    assert len(rows) == 6
+    layouts = {"single": ["parallel=single"], "fsdp (ours), 1 rank": ["parallel=fsdp"],
+               "FSDP2, 1 rank": ["parallel=fsdp", "parallel.impl=torch"]}
+    ratios = {}
+    for r in rows:
+        cfg = plan.compose([f"model={r['model']}", *layouts[r["parallel"]], "plan.world=1", "plan.gpu=h200",
+                            f"train.micro_batch_size={r['micro']}", f"train.global_batch_size={r['micro']}",
+                            "train.seq_len=1024", "train.dtype=bfloat16", "train.compile=true", "plan.rank=false"])
+        p = plan.predict(cfg, plan.check(cfg), shape=plan.model_shape(cfg), plan=cfg.plan)
+        ratios[r["model"], r["parallel"]] = p["step_s"] * 1e3 / r["step_ms"]
+    assert sum(0.85 <= x <= 1.15 for x in ratios.values()) >= 5 and all(0.8 <= x <= 1.2 for x in ratios.values()), \
+        ratios
 
 
 def test_cpu_device_reads_its_measurements():

@@ -10,11 +10,14 @@ A device prices them (Device):
 - a GPU from its datasheet (tools/plan.py GPUS) and two measured efficiencies. A matmul runs in output tiles of
   128 x 128 spread over the SMs in waves: a product whose tiles leave the last wave part empty runs that much
   below the rate (wave quantization, what makes small and skinny products slow), at most MATMUL_EFFICIENCY of the
-  peak, and never faster than its bytes over the memory's bandwidth; each kernel costs KERNEL_S besides. On the
-  H200 (docs/h200/device_bench.json, 2026-12-04) this puts 43 of the 51 bf16 products that run longer than
-  30 us within 15% of measured (tests/test_step_time.py). Attention runs at ATTENTION_EFFICIENCY of the peak (flash
+  peak, each tile's pass over K costing TILE more of K (its prologue and epilogue), and never faster than its bytes
+  over the memory's bandwidth; each kernel costs KERNEL_S besides. On the H200 (docs/h200/device_bench.json,
+  2026-12-04) this puts 49 of the 51 bf16 products that run longer than 30 us within 15% of measured (43 without
+  the tile's depth: products 1024 deep ran at 0.77-0.84 of the price; tests/test_step_time.py). Attention runs at ATTENTION_EFFICIENCY of the peak (flash
   attention forward and backward at 16k-32k tokens on the H200: 0.55-0.57), element-wise work at
-  MEMORY_EFFICIENCY of the memory's bandwidth (a copy on the H200: 0.88).
+  MEMORY_EFFICIENCY of the memory's bandwidth (a copy on the H200: 0.88), moving eager's bytes (ELEMENTWISE) or,
+  compiled, a fused kernel's (FUSED). The project's own compiled training steps on the H200 come within 0.84-0.93
+  of this (test_h200_compiled_runs).
 - a CPU from a short microbenchmark of the machine at hand (cpu_profile, cached): matmul rates over a grid of
   shapes, read by the nearest measured shapes; attention forward and backward over sequence lengths and head
   sizes; model.py's own norm, RoPE, activations, loss and AdamW's step per element; the time of one small op
@@ -63,6 +66,19 @@ ELEMENTWISE = {"norm": (lambda a, r: (r + a + 8, a + 2 * r + 24)),
                "cast": (lambda a, r: (6, 0)),
                "add": (lambda a, r: (12, 0)),        # a float32 gradient added into another (accumulation)
                "adamw": (lambda a, r: (36, 0))}      # per parameter: reads p, g, m, v, writes p, m, v; the clip
+# The same under torch.compile, whose kernels each read their inputs and write their outputs once (the float32
+# temporaries of eager's separate ops stay in registers): a norm reads x and writes its output, its backward reads
+# the gradient and x and writes dx; RoPE reads and writes once each way; SwiGLU reads gate and up and writes their
+# product, its backward writes both gradients; the loss reads each logit twice (the log-sum-exp's looped reduction:
+# max, then the sum of exps) and, for its gradient, once more, writing the gradient. Checked against the H200's
+# compiled runs (docs/h200/gpu_bench_compiled.json; tests/test_step_time.py test_h200_compiled_runs): priced with
+# eager's bytes, gpt_125m's loss at 65,536 tokens x 50,304 logits came to 44 of a 168 ms step measured at 132.
+# The rest as eager: a copy, a residual add and GELU already move only their inputs and outputs.
+FUSED = {**ELEMENTWISE,
+         "norm": (lambda a, r: (r + a, a + 2 * r)),
+         "rope": (lambda a, r: (2 * a, 2 * a)),
+         "swiglu": (lambda a, r: (3 * a, 5 * a)),
+         "loss": (lambda a, r: (2 * a, 2 * a))}
 # aten ops eager PyTorch dispatches for each, forward and backward (counted on model.py's modules: a linear's
 # matmul and its views; the norm's seven forward and twelve backward ops; a loss chunk's)
 HOST_OPS = {"matmul": (2, 3), "attention": (3, 2), "norm": (7, 12), "rope": (5, 4), "copy": (1, 1),
@@ -157,13 +173,13 @@ class Device:
     """Seconds for each op on one device; `cores` > 0 on a CPU (ranks beyond them share)."""
     name, cores, overlap = "device", 0, True
 
-    def op_seconds(self, op, a, r):
+    def op_seconds(self, op, a, r, compiled=False):
         base, backward_op = _kind(op)
         if base == "matmul":
             return self.matmul_s(*op[1:], a)
         if base == "attention":
             return self.attention_s(*op[1:], a, backward_op)
-        return self.elementwise_s(op[1], op[2], a, r, backward_op)
+        return self.elementwise_s(op[1], op[2], a, r, backward_op, compiled)
 
     def host_ops(self, op):
         base, backward_op = _kind(op)
@@ -174,7 +190,7 @@ class Device:
 
     def seconds(self, ops, a, r, compiled=False):
         """(device seconds, host seconds) of a list of ops, `a` the compute dtype's bytes, `r` the residual's."""
-        device = sum(self.op_seconds(op, a, r) for op in ops)
+        device = sum(self.op_seconds(op, a, r, compiled) for op in ops)
         host = sum(self.host_ops(op) for op in ops) * self.host_op_s
         if compiled:  # the compiler fuses the element-wise ops between matmuls: a graph's launch each (about 4)
             host = sum(op[0].startswith(("matmul", "attention")) for op in ops) * 2 * self.host_op_s
@@ -201,14 +217,16 @@ class GPU(Device):
     def matmul_s(self, M, N, K, a):
         tiles = math.ceil(M / TILE) * math.ceil(N / TILE)
         waves = math.ceil(tiles / self.sms)
-        compute = 2 * M * N * K / (self.peak(a) * MATMUL_EFFICIENCY * tiles / (waves * self.sms))
+        # each tile's pass over K costs TILE more of K besides (its prologue and epilogue: the first slices loaded,
+        # the output written): a product 1024 deep runs at 0.89 of a deep one's rate
+        compute = 2 * M * N * (K + TILE) / (self.peak(a) * MATMUL_EFFICIENCY * tiles / (waves * self.sms))
         return max(compute, a * (M * K + K * N + M * N) / self.spec["hbm"]) + KERNEL_S
 
     def attention_s(self, flops, seq, head_dim, heads, a, backward_op):
         return (2.5 if backward_op else 1.0) * flops / (self.peak(a) * ATTENTION_EFFICIENCY) + KERNEL_S
 
-    def elementwise_s(self, kind, n, a, r, backward_op):
-        moved = ELEMENTWISE[kind](a, r)[backward_op] * n
+    def elementwise_s(self, kind, n, a, r, backward_op, compiled=False):
+        moved = (FUSED if compiled else ELEMENTWISE)[kind](a, r)[backward_op] * n
         return moved / (self.spec["hbm"] * MEMORY_EFFICIENCY) + (KERNEL_S if moved else 0.0)
 
 
@@ -244,8 +262,9 @@ class CPU(Device):
         rate = _nearest_rate(self.profile["attention"][str(a)], (seq, head_dim), 3 if backward_op else 2, 2)
         return (2.5 if backward_op else 1.0) * flops / rate
 
-    def elementwise_s(self, kind, n, a, r, backward_op):
-        # measured: seconds per element forward + backward; split between them as their bytes are
+    def elementwise_s(self, kind, n, a, r, backward_op, compiled=False):
+        # measured: seconds per element forward + backward (model.py's eager ops: compiled kernels on a CPU are not
+        # profiled, and are priced as these); split between them as their bytes are
         fwd, bwd = ELEMENTWISE[kind](a, r)
         share = (bwd if backward_op else fwd) / (fwd + bwd)
         return n * self.profile["elementwise"][str(a)][kind] * share
