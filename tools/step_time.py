@@ -15,10 +15,9 @@ A device prices them (Device):
   2026-12-04) this puts 49 of the 51 bf16 products that run longer than 30 us within 15% of measured (43 without
   the tile's depth: products 1024 deep ran at 0.77-0.84 of the price; tests/test_step_time.py). Attention runs at
   ATTENTION_EFFICIENCY of the peak (flash attention forward and backward at 16k-32k tokens on the H200: 0.55-0.57),
-  element-wise work at
-  MEMORY_EFFICIENCY of the memory's bandwidth (a copy on the H200: 0.88), moving eager's bytes (ELEMENTWISE) or,
-  compiled, a fused kernel's (FUSED). The project's own compiled training steps on the H200 come within 0.84-0.93
-  of this (test_h200_compiled_runs).
+  element-wise work at MEMORY_EFFICIENCY of the memory's bandwidth (a copy on the H200: 0.88), moving eager's
+  bytes (ELEMENTWISE) or, compiled, a fused kernel's (FUSED). The project's own compiled training steps on the H200
+  come within 0.84-0.93 of this (test_h200_compiled_runs).
 - a CPU from a short microbenchmark of the machine at hand (cpu_profile, cached): matmul rates over a grid of
   shapes, read by the nearest measured shapes; attention forward and backward over sequence lengths and head
   sizes; model.py's own norm, RoPE, activations, loss and AdamW's step per element; the time of one small op
