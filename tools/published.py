@@ -125,6 +125,14 @@ def markdown(results):
     within = sum(0.85 <= x <= 1.15 for x in ratios)
     lines += ["", f"{within} of {len(ratios)} rows within 15% (planner / measured from {min(ratios):.2f} to "
                   f"{max(ratios):.2f})" if ratios else "no rows"]
+    if ratios:  # by source and GPU: the sources disagree by their software more than the planner by its GPUs
+        groups = {}
+        for r in results:
+            if r["ratio"]:
+                groups.setdefault((r["row"]["source"], r["row"]["gpu"]), []).append(r["ratio"])
+        lines += ["", "| source | GPU | rows within 15% | planner / measured |", "|---|---|---|---|"]
+        lines += [f"| {src} | {gpu} | {sum(0.85 <= x <= 1.15 for x in xs)} of {len(xs)} | {min(xs):.2f}-{max(xs):.2f} |"
+                  for (src, gpu), xs in groups.items()]
     return "\n".join(lines) + "\n"
 
 
