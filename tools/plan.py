@@ -563,6 +563,12 @@ def cp_balance(seq, cp):
     return spread(context_parallel.zigzag_positions), spread(context_parallel.plain_positions)
 
 
+def fsdp_unit(shape, tp=1):
+    """Parameters of the first FSDP unit a micro-step gathers on a rank: the embedding's (V d) where the rank holds it,
+    else its first block's; 1/tp of it under tensor parallelism."""
+    return (shape["vocab"] * shape["n_embd"] if shape.get("first", True) else dims(shape)[4]) / tp
+
+
 def transient_bytes(layout, shape, P, accum, knobs):
     """What a strategy holds for a moment beyond its steady state. FSDP: 1 + prefetch units gathered (every unit,
     at the end of forward, with reshard_after_forward=false), the gradients of the unit in backward, and two units'
@@ -670,8 +676,11 @@ def step_time(layout, shape, accum, micro, seq, comm, knobs, ac, checkpointed, p
       ddp            the gradient all-reduce runs during the last micro-step's backward
       zero1, zero2   the reduce-scatter likewise (accumulate=sharded: each micro-step's during its own backward);
                      the all-gather of updated weights follows the step, exposed
-      fsdp, fsdp_tp  with prefetch, each micro-step's gathers run during its forward and backward, the
-                     reduce-scatter during the last backward; prefetch=0 exposes them all
+      fsdp, fsdp_tp  with prefetch, each micro-step's gathers run during its forward and backward, but for its
+                     first unit's (before anything computes), the reduce-scatter during the last backward;
+                     prefetch=0 exposes them all
+      under pp       the gradient reduction follows the schedule (ours, and torch's FSDP2 stages): exposed; torch's
+                     DDP stages reduce during the last backward
       hsdp           as fsdp within dp_shard; the all-reduce across replicas joins the last backward's
                      reduce-scatters (each slice's starts as its reduce-scatter lands)
       tp             the all-reduces sit between the layers that need them: all exposed
@@ -731,22 +740,31 @@ def step_time(layout, shape, accum, micro, seq, comm, knobs, ac, checkpointed, p
     elif cp > 1:
         exposed_cp = t["cp", "all_gather"] + t["cp", "reduce_scatter"]
     exposed += exposed_cp
+    # under a pipeline, ours (parallel/pp.py) runs every backward under the data strategy's no_sync and reduces once
+    # the schedule is over, and torch's FSDP2 stages reduce at the schedule's end too: nothing is left to hide that
+    # reduction; torch's DDP stages reduce during the last backward, as without a pipeline
+    after = 0.0 if layout.pp == 1 or (layout.impl == "torch" and strategy == "ddp") else 1.0
     if strategy == "ddp":
-        exposed += max(0.0, t["dp", "all_reduce"] - bwd)
+        exposed += max(0.0, t["dp", "all_reduce"] - (1 - after) * bwd)
     elif strategy in ("zero1", "zero2"):
-        n = accum if knobs["accumulate"] == "sharded" else 1  # reduce-scatters per step
-        exposed += n * max(0.0, t["dp", "reduce_scatter"] / n - bwd) + t["dp", "all_gather"]
+        n = 1 if after or knobs["accumulate"] != "sharded" else accum  # reduce-scatters that backward can hide
+        exposed += n * max(0.0, t["dp", "reduce_scatter"] / n - (1 - after) * bwd) + t["dp", "all_gather"]
     elif strategy == "fsdp":
         within = "dp_shard" if layout.hsdp else "dp"
         reduce = t[within, "reduce_scatter"] + t["dp_replicate", "all_reduce"]
         gather = t[within, "all_gather"] / accum  # one micro-step's gathers
+        # each micro-step's first unit (the embedding's, or a later stage's first block) is gathered before anything
+        # computes: nothing hides it
+        first = gather * fsdp_unit(shape, tp) / params_per_rank(shape, tp, ep) \
+            / (2 if knobs["reshard_after_forward"] else 1)
         fwd_gather = gather / 2 if knobs["reshard_after_forward"] else gather
         bwd_gather = gather - fwd_gather
         if knobs["prefetch"] == 0:
             exposed += t[within, "all_gather"] + reduce
         else:
-            exposed += accum * max(0.0, fwd_gather - fwd) + (accum - 1) * max(0.0, bwd_gather - bwd) \
-                + max(0.0, bwd_gather + reduce - bwd)
+            exposed += accum * (first + max(0.0, fwd_gather - first - fwd)) \
+                + (accum - 1) * max(0.0, bwd_gather - bwd) + max(0.0, bwd_gather + (1 - after) * reduce - bwd) \
+                + after * reduce
     compute = accum * (fwd + bwd + recompute) + optimizer
     return compute + exposed, {"compute": compute, "exposed comm": exposed, "exposed cp": exposed_cp,
                                "comm": sum(t.values()), "each": t, "optimizer": optimizer}
