@@ -4,6 +4,7 @@ import glob
 import json
 import os
 import struct
+import sys
 import sysconfig
 import time
 
@@ -218,19 +219,38 @@ def launch_users(items, world):
     return {item.module.__name__ for item in items if reads(item, world) and getattr(item, "module", None)}
 
 
+def pytest_itemcollected(item):
+    """Under pytest-xdist (pytest.ini: `-n logical --dist loadgroup`), a test that uses a module-scoped fixture goes to
+    a worker with the rest of its module's such tests (a group: the fixture is made once), the readers of a launch in
+    a group of their own; any other test goes wherever a worker is free. Marked here, as each test is collected:
+    xdist's worker reads the groups in its own pytest_collection_modifyitems, which ran before this file's (2026-12-07:
+    marked there, test_nccl.py's module fixture, a world-4 launch, ran on both workers)."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    if any(d[-1].scope == "module" for d in defs.values() if d):
+        launch = any(reads(item, w) for w in WORLDS)
+        item.add_marker(pytest.mark.xdist_group(item.module.__name__ + ("-launch" if launch else "")))
+
+
+def check_groups(session):
+    """Under xdist's loadgroup, each grouped test's id carries its group (`@name`), which is how the scheduler keeps
+    a group on one worker; pytest-xdist 3.8 writes it where pytest 9 no longer reads it (requirements.txt), and the
+    groups were then dropped without a word. Stop the session in one line if that happens again."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and session.config.getvalue("loadgroup"):
+        lost = [item.nodeid for item in session.items
+                if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+        if lost:  # a worker's error reaches the controller as an internal error: the line goes to stderr first
+            line = (f"error: pytest-xdist's --dist loadgroup is not honored with pytest {pytest.__version__} ({len(lost)} "
+                    f"grouped tests without a group in their id, e.g. {lost[0]}): install requirements.txt's pytest")
+            sys.stderr.write(line + "\n")
+            raise pytest.UsageError(line)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """The tests that read a launch go last, in their order: the launches run while the others do. Under pytest-xdist
-    (pytest.ini: `-n logical --dist loadgroup`), a test that uses a module-scoped fixture goes to a worker with the rest
-    of its module's such tests (a group: the fixture is made once), the readers of a launch in a group of their own;
-    any other test goes wherever a worker is free."""
+    """The tests that read a launch go last, in their order: the launches run while the others do."""
     users = [item for item in items if any(reads(item, w) for w in WORLDS)]
     ids = {id(item) for item in users}
     items[:] = [item for item in items if id(item) not in ids] + users
-    for item in items:
-        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-        if any(d[-1].scope == "module" for d in defs.values() if d):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__ + ("-launch" if id(item) in ids else "")))
 
 
 def session_dir(tmp_path_factory, name):
@@ -384,7 +404,9 @@ launch2, launch4, launch8 = (shared_launch(world) for world in WORLDS)
 
 def pytest_collection_finish(session):
     """Python's full collections walk every live object (torch's, Hydra's, W&B's: 0.2-0.6 s each here, and every
-    in-process train.run ends with one): what exists once the tests are collected is left out of them for good."""
+    in-process train.run ends with one): what exists once the tests are collected is left out of them for good.
+    And the xdist groups checked (check_groups)."""
+    check_groups(session)
     import gc
     gc.collect()
     gc.freeze()
