@@ -219,18 +219,6 @@ def launch_users(items, world):
     return {item.module.__name__ for item in items if reads(item, world) and getattr(item, "module", None)}
 
 
-def pytest_itemcollected(item):
-    """Under pytest-xdist (pytest.ini: `-n logical --dist loadgroup`), a test that uses a module-scoped fixture goes to
-    a worker with the rest of its module's such tests (a group: the fixture is made once), the readers of a launch in
-    a group of their own; any other test goes wherever a worker is free. Marked here, as each test is collected:
-    xdist's worker reads the groups in its own pytest_collection_modifyitems, which ran before this file's (2026-12-07:
-    marked there, test_nccl.py's module fixture, a world-4 launch, ran on both workers)."""
-    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-    if any(d[-1].scope == "module" for d in defs.values() if d):
-        launch = any(reads(item, w) for w in WORLDS)
-        item.add_marker(pytest.mark.xdist_group(item.module.__name__ + ("-launch" if launch else "")))
-
-
 def check_groups(session):
     """Under xdist's loadgroup, each grouped test's id carries its group (`@name`), which is how the scheduler keeps
     a group on one worker; pytest-xdist 3.8 writes it where pytest 9 no longer reads it (requirements.txt), and the
@@ -247,7 +235,12 @@ def check_groups(session):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """The tests that read a launch go last, in their order: the launches run while the others do."""
+    """The tests that read a launch go last, in their order: the launches run while the others do. Under pytest-xdist
+    (pytest.ini: `-n logical --dist loadgroup`) a test goes to whichever worker is free, but for those marked with an
+    xdist_group (test_nccl.py's world-4 launch), which share one: a module-scoped fixture is made once on each worker
+    that gets one of its tests. Grouping every module with such a fixture (2026-12-07, once pytest 8 honored the
+    groups) left the two workers unevenly loaded: 13 min 24 s in a fresh clone, against 11 min 49 s to 12 min 34 s
+    without groups."""
     users = [item for item in items if any(reads(item, w) for w in WORLDS)]
     ids = {id(item) for item in users}
     items[:] = [item for item in items if id(item) not in ids] + users

@@ -61,6 +61,11 @@ def logs_of(run_dir):
     return logs
 
 
+# the tests of one launch on one pytest-xdist worker (pytest.ini: --dist loadgroup): on two, each ran it (25 CPU-s)
+LAUNCH = pytest.mark.xdist_group("test_nccl-old-torch")
+
+
+@LAUNCH
 @pytest.mark.parametrize("family", FAMILIES)
 def test_collectives_in_one_order_on_every_rank(old_torch_runs, family):
     logs = logs_of(old_torch_runs[family])
@@ -68,6 +73,7 @@ def test_collectives_in_one_order_on_every_rank(old_torch_runs, family):
     assert comm.order_problem(logs) is None, comm.order_problem(logs)
 
 
+@LAUNCH
 @pytest.mark.parametrize("family", FAMILIES)
 def test_older_torch_names_train_and_count(old_torch_runs, single_small, family):
     run_dir = old_torch_runs[family]
