@@ -156,25 +156,34 @@ def free_port():
         return s.getsockname()[1]
 
 
-def forked(world, fn):
+def forked(world, fn, timeout=300):
     """fn() on `world` ranks forked from this process, with the variables torchrun would set. Each rank then starts
-    with torch and train.py imported: 2-4 s a job here instead of torchrun's 13-30 s (fresh interpreters)."""
+    with torch and train.py imported: 2-4 s a job here instead of torchrun's 13-30 s (fresh interpreters). The ranks
+    meet at a store this process serves, as torchrun's agent serves its workers (TORCHELASTIC_USE_AGENT_STORE): its
+    port is bound here before any rank starts. (A port chosen free and bound later by rank 0 was taken in between
+    once, 2026-12-07: rank 0 died, the others waited at the rendezvous, and the suite stalled.) A rank that fails
+    ends the others at once; past `timeout` s, all of them."""
     import multiprocessing
-    port = free_port()
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
 
     def rank_main(rank):
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port))
+                          MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")
         fn()
     ctx = multiprocessing.get_context("fork")
     ranks = [ctx.Process(target=rank_main, args=(r,)) for r in range(world)]
     for p in ranks:
         p.start()
-    for p in ranks:
-        p.join(timeout=180)  # a hang fails the test instead of stalling the suite
+    deadline = time.time() + timeout
+    while time.time() < deadline and any(p.is_alive() for p in ranks) and \
+            not any(p.exitcode for p in ranks if not p.is_alive()):
+        time.sleep(0.1)
     for p in ranks:
         if p.is_alive():
             p.kill()
+            p.join()
+    del store
     assert [p.exitcode for p in ranks] == [0] * world, "a rank failed: its traceback is in the captured stderr"
 
 
