@@ -753,12 +753,11 @@ def step_time(layout, shape, accum, micro, seq, comm, knobs, ac, checkpointed, p
         within = "dp_shard" if layout.hsdp else "dp"
         reduce = t[within, "reduce_scatter"] + t["dp_replicate", "all_reduce"]
         gather = t[within, "all_gather"] / accum  # one micro-step's gathers
-        # each micro-step's first unit (the embedding's, or a later stage's first block) is gathered before anything
-        # computes: nothing hides it
-        first = gather * fsdp_unit(shape, tp) / params_per_rank(shape, tp, ep) \
-            / (2 if knobs["reshard_after_forward"] else 1)
         fwd_gather = gather / 2 if knobs["reshard_after_forward"] else gather
         bwd_gather = gather - fwd_gather
+        # each micro-step's first unit (the embedding's, or a later stage's first block) is gathered before anything
+        # computes: nothing hides its share of forward's gathers
+        first = fwd_gather * fsdp_unit(shape, tp) / params_per_rank(shape, tp, ep)
         if knobs["prefetch"] == 0:
             exposed += t[within, "all_gather"] + reduce
         else:
