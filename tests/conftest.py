@@ -14,6 +14,10 @@ from hydra import compose, initialize_config_dir
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(os.path.dirname(ROOT), "shared")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# inductor compiles in the process that compiles, not in a pool of worker processes it would start (one per core)
+# in each rank that compiles: on 2 busy cores the pools' start cost more than they saved (the matrix's 11 compiled
+# world-2 jobs: 77 CPU-s with the pools, 70 without, warm cache, 2026-12-07)
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 def needs_shared(*paths):

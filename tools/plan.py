@@ -110,16 +110,30 @@ def optimizer_bytes(optim):
 # --- the model
 def model_shape(cfg):
     """The configured GPT's shape, its exact parameter count and its training FLOPs per token (model.py's formula),
-    from the model itself built on the meta device (no memory)."""
-    m = cfg.model
-    with torch.device("meta"):  # model.vocab_size null: the tokenizer's, as train.py does
-        gpt = GPT(config.model_config(cfg, prepare.vocab_size(cfg.data)))
+    from the model itself built on the meta device (no memory). model.vocab_size null: the tokenizer's, as train.py
+    does. A fresh dict each call, of a shape built once per model and sequence length (_shape)."""
+    mcfg = config.model_config(cfg, prepare.vocab_size(cfg.data))
+    key = (repr(mcfg), cfg.train.seq_len)  # GPTConfig's repr: every field
+    if key not in _SHAPES:
+        _SHAPES[key] = _shape(mcfg, cfg.train.seq_len)
+    return dict(_SHAPES[key])
+
+
+# model_shape's shapes by model config and sequence length, each built once: a meta model of 126 blocks takes 0.1 s, and
+# the planner's callers ask again and again for one model (parallel=auto's candidates, the published table's rows,
+# the tests: 10 s of a test session's CPU, 2026-12-07)
+_SHAPES = {}
+
+
+def _shape(mcfg, seq_len):
+    with torch.device("meta"):
+        gpt = GPT(mcfg)
     c = gpt.cfg
-    return {"n_layer": m.n_layer, "n_embd": m.n_embd, "n_head": m.n_head, "vocab": c.padded_vocab_size,
-            "n_params": gpt.num_params(), "flops_per_token": gpt.flops_per_token(cfg.train.seq_len),
+    return {"n_layer": c.n_layer, "n_embd": c.n_embd, "n_head": c.n_head, "vocab": c.padded_vocab_size,
+            "n_params": gpt.num_params(), "flops_per_token": gpt.flops_per_token(seq_len),
             # grouped-query attention's key/value width, the MLP's, and one block's parameters
             "kv_embd": c.kv_heads * c.head_dim, "hidden": c.hidden, "mlp": c.mlp, "tied": c.tie_embeddings,
-            "block_params": sum(p.numel() for p in gpt.blocks[0].parameters()) if m.n_layer else 0,
+            "block_params": sum(p.numel() for p in gpt.blocks[0].parameters()) if c.n_layer else 0,
             # mixture of experts (none: 0): the routed experts' parameters over all MoE blocks, what expert
             # parallelism splits (model.Experts: gate (SwiGLU), up, down, stacked, no biases)
             "n_experts": c.n_experts, "top_k": c.top_k if c.n_experts else 0, "moe_blocks": c.n_moe,
