@@ -166,12 +166,20 @@ def forked(world, fn, timeout=300):
     meet at a store this process serves, as torchrun's agent serves its workers (TORCHELASTIC_USE_AGENT_STORE): its
     port is bound here before any rank starts. (A port chosen free and bound later by rank 0 was taken in between
     once, 2026-12-07: rank 0 died, the others waited at the rendezvous, and the suite stalled.) A rank that fails
-    ends the others at once; past `timeout` s, all of them."""
+    ends the others at once; past `timeout` s, all of them, after each has written its threads' stacks to the
+    captured stderr (a run that hung at its end once, 2026-12-07, in a fresh clone's CI run, and said nothing)."""
+    import faulthandler
+    import gc
     import multiprocessing
+    import signal
     import torch.distributed as dist
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
 
     def rank_main(rank):
+        # what this process held at the fork is its parent's: the rank's collections never walk it, and never run
+        # the finalizers of the parent's garbage (pytest-xdist's channels, sockets) in a copy without its threads
+        gc.freeze()
+        faulthandler.register(signal.SIGUSR1, file=os.fdopen(os.dup(2), "w"), all_threads=True)  # the test's stderr
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")
         fn()
@@ -183,11 +191,17 @@ def forked(world, fn, timeout=300):
     while time.time() < deadline and any(p.is_alive() for p in ranks) and \
             not any(p.exitcode for p in ranks if not p.is_alive()):
         time.sleep(0.1)
+    hung = [p for p in ranks if p.is_alive()] if time.time() >= deadline else []
+    for p in hung:
+        os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(2 if hung else 0)
     for p in ranks:
         if p.is_alive():
             p.kill()
             p.join()
     del store
+    assert not hung, f"ranks {[ranks.index(p) for p in hung]} still ran after {timeout} s: their stacks are in the " \
+        f"captured stderr"
     assert [p.exitcode for p in ranks] == [0] * world, "a rank failed: its traceback is in the captured stderr"
 
 
