@@ -152,12 +152,27 @@ def torchrun(nproc, run_dir, *overrides, timeout=240, env=None):
 
 
 def free_port():
-    """A TCP port free on this machine now, for a rendezvous (not one made from the pid: two xdist workers' tests
-    may run at once)."""
+    """A TCP port free on this machine now, for a rendezvous that two processes started later must agree on (not
+    one made from the pid: two xdist workers' tests may run at once). Drawn below the kernel's ephemeral range
+    (/proc/sys/net/ipv4/ip_local_port_range), from which every bind to port 0 and every outgoing connection (gloo's
+    many, the launches' stores) takes its port: a port from that range, free when chosen, could be handed to one of
+    them before the agent that was to listen on it started."""
+    import random
     import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except OSError:  # not Linux: the conventional start of the dynamic range
+        low = 49152
+    for _ in range(100):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use: draw again
+                continue
+            return port
+    raise RuntimeError(f"no free port below {low} in 100 draws")
 
 
 def forked(world, fn, timeout=300):
