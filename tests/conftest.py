@@ -209,7 +209,8 @@ def forked(world, fn, timeout=300):
     hung = [p for p in ranks if p.is_alive()] if time.time() >= deadline else []
     for p in hung:
         os.kill(p.pid, signal.SIGUSR1)
-    time.sleep(2 if hung else 0)
+    if hung:  # time to write the stacks
+        time.sleep(2)
     for p in ranks:
         if p.is_alive():
             p.kill()
