@@ -149,8 +149,9 @@ class Layout:
     @property
     def strategy(self):
         """The data strategy that runs: parallel.data, or none where there is one replica (dp x cp = 1) and nothing
-        to reduce; FSDP runs on one rank too, to be timed alone."""
-        return "none" if self.data == "none" or (self.reduce_ranks == 1 and self.data != "fsdp") else self.data
+        to reduce; FSDP runs on one rank too, to be timed alone, and ZeRO for its bf16 working copy (the rule book
+        lets it through at dp=1 only with one)."""
+        return "none" if self.data == "none" or (self.reduce_ranks == 1 and self.data == "ddp") else self.data
 
     @property
     def hsdp(self):
@@ -275,9 +276,6 @@ class Layout:
             return (f"parallel.cp={self.cp}: each cp rank's gradients come from its own tokens and are reduced over "
                     f"dp x cp as over dp; that needs a data-parallel strategy: parallel.data="
                     f"{_or(DATA_STRATEGIES[1:])}")
-        if self.reduce_ranks == 1 and self.data in ("zero1", "zero2"):
-            return (f"parallel.data={self.data} shards over the data-parallel ranks, but dp=1 (tp={self.tp} takes "
-                    f"all {self.world}); lower parallel.tp or use parallel.data=ddp")
         if self.hsdp and self.impl == "deepspeed":
             return ("parallel.dp_replicate > 1 with parallel.impl=deepspeed: DeepSpeed's HSDP (its hpZ) is not "
                     "wired; use parallel.impl=scratch or torch")
@@ -285,6 +283,15 @@ class Layout:
 
     def _strategy_problem(self, p, dtype, compile_):
         param_dtype = self.working_dtype(p.param_dtype, dtype)
+        # over one data-parallel rank ZeRO shards nothing, but its bf16 working copy beside float32 master weights
+        # and Adam moments is still what it keeps: Megatron's mixed precision under tp x pp alone (its
+        # Float16OptimizerWithFloat16Params), with no autocast cast of every weight at every micro-step
+        if self.reduce_ranks == 1 and self.data in ("zero1", "zero2") and \
+                (param_dtype == "float32" or self.impl == "deepspeed"):
+            taken = " x ".join(f"{k}={v}" for k, v in (("tp", self.tp), ("pp", self.pp)) if v > 1)
+            return (f"parallel.data={self.data} shards over the data-parallel ranks, but dp=1 ({taken}: all "
+                    f"{self.world} ranks); over one rank it keeps only its bf16 working copy (parallel.param_dtype="
+                    f"bfloat16, parallel.impl=scratch or torch): use that, or parallel.data=ddp")
         if param_dtype != "float32":
             if self.data not in ("zero1", "zero2", "fsdp"):
                 return (f"parallel.param_dtype={param_dtype}: parallel={self.name} computes with its float32 weights "

@@ -61,6 +61,7 @@ def jobs2(root, request):
     if conftest.BF16:  # bf16 working weights
         these.update({c: mixed(*c[:3], *(["checkpoint.every=3"] if c == SAVER else [])) for c in MIXED if c[3] == 2})
         these["twin"] = mixed("zero2", "bfloat16", "local", "parallel.impl=torch")
+        these["dp1"] = mixed("zero1", "float32", "local", "parallel.tp=2")  # Megatron's: tp alone, a working copy
         these["resumed"] = mixed(*SAVER[:3], f"train.resume={run_dir(root, SAVER)}/checkpoints/step_0000003")
     these.update({("bf16", s): small_run(*RUN, f"parallel={s}", "parallel.reduce_dtype=bfloat16") for s in BF16})
     these["fp32-sharded"] = small_run(*RUN, "parallel=zero2", "parallel.accumulate=sharded")
@@ -173,6 +174,28 @@ def test_mixed_precision_state_comm_and_loss(single, runs, case):
     print(f"{'-'.join(map(str, case))}: state {steps[-1]['state_bytes_max'] / P:.3f} B/param "
           f"(formula {MIXED_STATE[stage, reduce_dtype](world):.3f}), comm {steps[-1]['comm_bytes'] / P:.3f} B/param, "
           f"transient {steps[-1]['transient_bytes'] / P:.3f} B/param")
+
+
+@needs_bf16
+def test_working_copy_without_data_parallelism(single, runs):
+    """ZeRO-1 over one data-parallel rank (tp=2 takes both): nothing sharded, but the bf16 working weights beside
+    float32 master weights and moments, as Megatron runs tensor parallelism alone: 2 + 4 + 12 bytes a parameter of
+    the rank, the planner's state and traffic (its one-rank reduce-scatter and all-gather, counted as comm.py counts
+    them), and single's losses and norms within mixed precision's tolerance (2.5e-5 and 1.2e-3 seen, 2026-12-07,
+    on a CPU whose bf16 check was forced on)."""
+    start, *records = read_metrics(runs["dp1"])
+    assert (start["dp"], start["tp"], start["param_dtype"]) == (1, 2, "bfloat16")
+    cfg = make_cfg(*mixed("zero1", "float32", "local", "parallel.tp=2"))
+    predicted = plan.predict(cfg, Layout.from_config(cfg.parallel, 2))
+    steps = [r for r in records if "comm_bytes" in r]
+    assert len(steps) == STEPS
+    for r in steps:
+        assert r["state_bytes"] == pytest.approx(18 * predicted["params_per_rank"], rel=1e-3)
+        assert r["state_bytes"] == pytest.approx(predicted["state"], rel=1e-3)
+        assert r["comm_bytes"] == pytest.approx(predicted["comm_total"], rel=1e-3)
+    for key, rtol in MIXED_RTOL.items():
+        torch.testing.assert_close(losses(runs["dp1"], key), losses(single, key), rtol=rtol, atol=0,
+                                   msg=lambda m, key=key: f"{key}: {m}")
 
 
 @needs_bf16
@@ -375,7 +398,8 @@ def test_overlap_and_gradients_in_place(strategy):
     (["parallel=fsdp", "parallel.tp=3"], 4, "parallel.tp=3 must divide the number of ranks (4)"),
     (["parallel=tp", "parallel.data=none", "parallel.tp=2"], 4, "parallel.dp=2 replicas need a data-parallel "
                                                                  "strategy: parallel.data=ddp, zero1, zero2 or fsdp"),
-    (["parallel=zero1", "parallel.tp=2"], 2, "parallel.data=zero1 shards over the data-parallel ranks, but dp=1"),
+    (["parallel=zero1", "parallel.tp=2"], 2, "parallel.data=zero1 shards over the data-parallel ranks, but dp=1 (tp=2: "
+                                             "all 2 ranks); over one rank it keeps only its bf16 working copy"),
     (["parallel=zero2"], 1, "parallel=zero2 needs several processes, but this is one"),
     (["parallel=tp", "parallel.impl=torch", "train.compile=true"], 2, "train.compile=true with torch's tensor "
                                                                       "parallel"),

@@ -64,6 +64,25 @@ def test_gpt_1p3b_at_world_64(strategy, impl):
         assert m["activation_bytes"] == pytest.approx(predicted["memory"]["activations"], rel=0.01)
 
 
+@pytest.mark.parametrize("overrides", [["parallel.tp=8"], ["parallel=pp", "parallel.pp=2", "parallel.data=zero1",
+                                                             "parallel.tp=4", "train.global_batch_size=4"]])
+def test_working_copy_without_data_parallelism(overrides):
+    """Megatron's mixed precision under tensor (and pipeline) parallelism alone, dp=1: ZeRO-1 over one rank keeps
+    its bf16 working weights beside float32 master weights and moments, 2 + 4 + 12 bytes a parameter (float32
+    gradients), nothing sharded; its one-rank reduce-scatter and all-gather counted as the planner counts them.
+    With float32 working weights the rule book refuses it: it would keep nothing DDP does not."""
+    base = [*GPT_1P3B, "dry_run.world=8", "parallel=zero1", "train.global_batch_size=1", "train.dtype=bfloat16",
+            "parallel.param_dtype=auto", *overrides]
+    m, predicted = dry(*base)
+    assert m["dims"]["dp"] == 1 and m["dims"]["tp"] * m["dims"]["pp"] == 8 and predicted["knobs"]["param_dtype"] == \
+        "bfloat16"
+    P = predicted["params_per_rank"] if "pp" not in overrides[0] else predicted["pp_ranks"][0]["params_per_rank"]
+    assert m["state_bytes"] == pytest.approx(18 * P, rel=0.01)
+    assert_planner_equals(m, predicted if "pp" not in overrides[0] else predicted["pp_ranks"][0])
+    with pytest.raises(ConfigError, match=r"parallel.data=zero1 shards over the data-parallel ranks, but dp=1 \(tp="):
+        dry_run.check(make_cfg(*base, "parallel.param_dtype=float32", "dry_run.rank=3"))
+
+
 @pytest.mark.parametrize("strategy", ["fsdp", "fsdp_tp"])
 def test_70b_at_world_512(strategy):
     """L=80, d=8192 (65.3B parameters) as rank 3 of 512: our FSDP over 512, and over 64 x our tensor parallel 8."""

@@ -40,13 +40,12 @@ def data(row):
     master weights in the optimizer (its Float16Module and Float16OptimizerWithFloat16Params), its gradients
     all-reduced in float32: over more than one data-parallel rank that is our ZeRO-1 with bf16 working weights
     (param_dtype=auto under bf16; a reduce-scatter and an all-gather where Megatron all-reduces: 6 bytes a
-    parameter for 8). Our DDP instead keeps float32 weights that autocast casts at every micro-step's matmuls (and
-    again in recomputation): 10-12% of the blocks' compute of Megatron's 18B to 1T rows at 2,048 tokens a
-    micro-batch (step_time.block_ops with and without autocast's casts, full recompute). Without data
-    parallelism our rule book has no strategy with a working copy, and the row is priced as our DDP. HSDP is
-    planned as FSDP."""
-    dp = row["gpus"] // (row["tp"] * row["pp"] * (row["cp"] or 1))
-    return {"hsdp": "fsdp", "ddp": "zero1" if dp > 1 else "ddp"}.get(row["data"], row["data"])
+    parameter for 8), and without data parallelism (tp x pp alone) ZeRO-1 over one rank: the same bf16 working copy
+    beside float32 master weights, nothing sharded. Our DDP instead keeps float32 weights that autocast casts at
+    every micro-step's matmuls (and again in recomputation): 10-12% of the blocks' compute of Megatron's 18B to 1T
+    rows at 2,048 tokens a micro-batch (step_time.block_ops with and without autocast's casts, full recompute),
+    and its sequence-parallel all-gathers move a float32 residual stream. HSDP is planned as FSDP."""
+    return {"hsdp": "fsdp", "ddp": "zero1"}.get(row["data"], row["data"])
 
 
 def overrides(row):
