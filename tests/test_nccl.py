@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import train
-from conftest import ROOT, assert_same_steps, free_port, make_cfg, read_metrics, small_run
+from conftest import ROOT, assert_same_steps, free_port, launch_jobs, make_cfg, read_metrics, small_run
 from parallel import comm
 
 STEPS = ["train.global_batch_size=8", "train.micro_batch_size=1", "train.max_steps=3", "train.eval_every=100",
@@ -33,17 +33,16 @@ FAMILIES = {"ddp": ["parallel=ddp"],
             "pp_ddp": ["parallel=pp", "parallel.pp=2"]}
 
 
+@launch_jobs(4)
+def jobs(root, request):
+    """Every family at world 4, in the session's world-4 launch, each under the collectives' names before torch 2.13
+    and logged per rank (tests/launch_ranks.py, `@old_torch`)."""
+    return {name: (str(root / f"{name}@old_torch"), small_run(*STEPS, *o)) for name, o in FAMILIES.items()}
+
+
 @pytest.fixture(scope="module")
-def old_torch_runs(tmp_path_factory):
-    """Every family in one world-4 launch of tests/old_torch_ranks.py: pre-2.13 names, each job's collectives
-    logged per rank."""
-    from tools import jobs
-    root = tmp_path_factory.mktemp("nccl")
-    dirs = {name: str(root / name) for name in FAMILIES}
-    p = jobs.launch(4, [(dirs[n], small_run(*STEPS, *o)) for n, o in FAMILIES.items()], timeout=600,
-                    script=(os.path.join(ROOT, "tests", "old_torch_ranks.py"),))
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    return dirs
+def old_torch_runs(launch4):
+    return launch4[__name__][0]
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +60,6 @@ def logs_of(run_dir):
     return logs
 
 
-# the tests of one launch on one pytest-xdist worker (pytest.ini: --dist loadgroup): on two, each ran it (25 CPU-s)
-LAUNCH = pytest.mark.xdist_group("test_nccl-old-torch")
-
-
-@LAUNCH
 @pytest.mark.parametrize("family", FAMILIES)
 def test_collectives_in_one_order_on_every_rank(old_torch_runs, family):
     logs = logs_of(old_torch_runs[family])
@@ -73,7 +67,6 @@ def test_collectives_in_one_order_on_every_rank(old_torch_runs, family):
     assert comm.order_problem(logs) is None, comm.order_problem(logs)
 
 
-@LAUNCH
 @pytest.mark.parametrize("family", FAMILIES)
 def test_older_torch_names_train_and_count(old_torch_runs, single_small, family):
     run_dir = old_torch_runs[family]

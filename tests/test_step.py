@@ -2,15 +2,13 @@
 collectives; a profiler trace shows DDP's first bucket all-reduce running while backward still runs."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import train
-from conftest import ROOT, forked, make_cfg, read_metrics, small_run
+from conftest import forked, launch_jobs, make_cfg, read_metrics, small_run
 from data import shards
 from parallel.comm import CommCounter
 
@@ -124,87 +122,44 @@ def test_profile_trace_shows_overlap(tmp_path):
     assert overlapped == len(steps)
 
 
-def compiled_nodes(grad_fn):
-    """How many compiled graphs (AOTAutograd's CompiledFunction nodes) the autograd graph of a loss runs through."""
-    seen, todo, n = set(), [grad_fn], 0
-    while todo:
-        f = todo.pop()
-        if f is None or f in seen:
-            continue
-        seen.add(f)
-        n += "CompiledFunction" in f.name()
-        todo += [g for g, _ in f.next_functions]
-    return n
-
-
-def compiled_jobs(jobs, out):
-    """Run (name, overrides, run dir) jobs in this process group, each from a fresh dynamo; per job, rank 0 records
-    dynamo's counters and, at every backward of a training step, how many compiled graphs the loss came through."""
-    import torch.distributed as dist
-    from torch._dynamo.utils import counters
-    if "RANK" in os.environ:
-        dist.init_process_group("gloo")
-    record, backward = {}, torch.Tensor.backward
-    try:
-        for name, overrides, run_dir in jobs:
-            torch._dynamo.reset()
-            counters.clear()
-            seen = []
-            torch.Tensor.backward = lambda self, *a, **k: (seen.append(compiled_nodes(self.grad_fn)),
-                                                           backward(self, *a, **k))[1]
-            train.run(make_cfg(*overrides), run_dir)
-            torch.Tensor.backward = backward
-            record[name] = {"backward": seen, "frames": dict(counters["frames"]),
-                            "graph_breaks": sum(counters["graph_break"].values())}
-    finally:
-        torch.Tensor.backward = backward
-    if int(os.environ.get("RANK", 0)) == 0:
-        with open(out, "w") as f:
-            json.dump(record, f)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 COMPILED = ["ddp", "zero2", "fsdp", "tp"]
 
 
-def test_training_steps_run_compiled(tmp_path):
+@launch_jobs(2)
+def jobs(root, request):
+    """Each compiled strategy on test_matrix.py's model at world 2, in the session's world-2 launch, its graphs and
+    dynamo's counters recorded (tests/launch_ranks.py, `@compiled`)."""
+    from test_matrix import base
+    return {s: (str(root / f"{s}@compiled"), [*base(2), f"parallel={s}", "train.compile=true"]) for s in COMPILED}
+
+
+def test_training_steps_run_compiled(tmp_path, launch2):
     """train.compile=true: every micro-step's loss comes through n_layer + 1 compiled graphs (each block and the
-    head with the loss; under tensor parallel, each block's attention and MLP: 2 n_layer), every frame dynamo saw compiled (none
-    fell back to eager) with no graph break, and the losses and gradient norms track eager parallel=single's within
-    1e-5 relative (inductor fuses, so the float32 rounding differs: up to 2e-7 seen), for single and, at world 2,
-    our ddp, zero2, fsdp and tp. On tests/test_matrix.py's model (its compiled cases prove every strategy equal to
-    single): most of these graphs are in inductor's cache by then (16 s here warm, 43 s cold)."""
+    head with the loss; under tensor parallel, each block's attention and MLP: 2 n_layer), every frame dynamo saw
+    compiled (none fell back to eager) with no graph break, and the losses and gradient norms track eager
+    parallel=single's within 1e-5 relative (inductor fuses, so the float32 rounding differs: up to 2e-7 seen), for
+    single and, at world 2, our ddp, zero2, fsdp and tp. On tests/test_matrix.py's model (its compiled cases prove
+    every strategy equal to single): most of these graphs are in inductor's cache by then."""
     from conftest import assert_same_steps, losses
+    from launch_ranks import compiled
     from test_matrix import STEPS, base
     model = base(2)
-    out = str(tmp_path / "compiled.json")
-    runs = {s: str(tmp_path / s) for s in ["eager", "single"] + COMPILED}
+    runs = {"eager": str(tmp_path / "eager"), "single": str(tmp_path / "single"), **launch2[__name__][0]}
     train.run(make_cfg(*model), runs["eager"])
-    compiled_jobs([("single", [*model, "train.compile=true"], runs["single"])], out)
-    record = json.load(open(out))
-    jobs = [(s, [*model, f"parallel={s}", "train.compile=true"], runs[s]) for s in COMPILED]
-    # fresh interpreters (torchrun), not forked ranks: inductor's compile workers don't survive a fork of a process
-    # that has compiled already (the forked ranks hung on a cold cache)
-    spec = str(tmp_path / "jobs.json")
-    with open(spec, "w") as f:
-        json.dump(jobs, f)
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        os.path.abspath(__file__), spec, out], capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}, cwd=ROOT)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    record.update(json.load(open(out)))
-    for name, r in record.items():
-        accum = read_metrics(runs[name])[0]["grad_accum"]
-        assert len(losses(runs[name])) == STEPS, name
+    os.makedirs(runs["single"])
+    with compiled(runs["single"]):
+        train.run(make_cfg(*model, "train.compile=true"), runs["single"])
+    assert sorted(runs) == sorted(["eager", "single", *COMPILED])
+    for name, run_dir in runs.items():
+        if name == "eager":
+            continue
+        with open(os.path.join(run_dir, "compiled.json")) as f:
+            r = json.load(f)
+        accum = read_metrics(run_dir)[0]["grad_accum"]
+        assert len(losses(run_dir)) == STEPS, name
         # every micro-step: 2 blocks + the loss; under tensor parallel 2 attentions + 2 MLPs
         assert r["backward"] == [2 + 1 if name != "tp" else 4] * (STEPS * accum), (name, r["backward"])
         assert r["frames"]["total"] == r["frames"]["ok"] > 0 and r["graph_breaks"] == 0, (name, r)
-        assert_same_steps(runs[name], runs["eager"], rtol=1e-5)
+        assert_same_steps(run_dir, runs["eager"], rtol=1e-5)
         print(f"{name}: {r['frames']['ok']} frames compiled, largest loss gap to eager single "
-              f"{float(((losses(runs[name]) - losses(runs['eager'])).abs() / losses(runs['eager'])).max()):.1e}")
-
-
-if __name__ == "__main__":  # one rank of the compiled jobs (test_training_steps_run_compiled starts them)
-    with open(sys.argv[1]) as f:
-        compiled_jobs(json.load(f), sys.argv[2])
+              f"{float(((losses(run_dir) - losses(runs['eager'])).abs() / losses(runs['eager'])).max()):.1e}")
