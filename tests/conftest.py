@@ -280,10 +280,10 @@ def check_groups(session):
 def pytest_collection_modifyitems(config, items):
     """The tests that read a launch go last, in their order: the launches run while the others do. Under pytest-xdist
     (pytest.ini: `-n logical --dist loadgroup`) a test goes to whichever worker is free, but for those marked with an
-    xdist_group (none since test_nccl.py's world-4 launch joined the shared one), which share one: a module-scoped
-    fixture is made once on each worker that gets one of its tests. Grouping every module with such a fixture (2026-12-07, once pytest 8 honored the
-    groups) took 13 min 24 s in a fresh clone, against 11 min 49 s to 12 min 34 s without groups under pytest 9.2
-    (and 13 min 26 s with this one group: docs/tests.md)."""
+    xdist_group (test_auto.py's two tests of one ranking), which share one: a module-scoped fixture is made once
+    on each worker that gets one of its tests. Grouping every module with such a fixture (2026-12-07, once pytest 8
+    honored the groups) took 13 min 24 s in a fresh clone, against 11 min 49 s to 12 min 34 s without groups under
+    pytest 9.2 (and 13 min 26 s with test_nccl.py's launch grouped: docs/tests.md)."""
     users = [item for item in items if any(reads(item, w) for w in WORLDS)]
     ids = {id(item) for item in users}
     items[:] = [item for item in items if id(item) not in ids] + users

@@ -72,7 +72,8 @@ def compiled(run_dir):
     torch._dynamo.reset()
     counters.clear()
     seen, backward = [], torch.Tensor.backward
-    torch.Tensor.backward = lambda self, *a, **k: (seen.append(compiled_nodes(self.grad_fn)), backward(self, *a, **k))[1]
+    torch.Tensor.backward = lambda self, *a, **k: (seen.append(compiled_nodes(self.grad_fn)),
+                                                   backward(self, *a, **k))[1]
     try:
         yield
     finally:

@@ -1,10 +1,10 @@
 """The test session's shared launches, one after another, in a process of their own (tests/conftest.py Background):
 `python tests/launches.py PLAN.json OUT_DIR PID`. PLAN is [[world, [[run dir, [overrides]], ...]], ...]; each launch
-is a torchrun of tools/jobs.py's jobs (tests/launch_ranks.py: each inside what its test measures), and when it ends its result (exit code, output) goes to OUT_DIR/launch<world>.json,
-written whole (a reader sees no file or a complete one). The chain drives itself, so whichever pytest worker (or the
-one pytest process) reads a launch needs nothing from the one that started it; it stops when PID (the pytest process
-the session belongs to) is gone, and kills a launch that runs past its time (a hang fails its tests, not the
-suite)."""
+is a torchrun of tools/jobs.py's jobs (tests/launch_ranks.py: each inside what its test measures), and when it ends
+its result (exit code, output) goes to OUT_DIR/launch<world>.json, written whole (a reader sees no file or a
+complete one). The chain drives itself, so whichever pytest worker (or the one pytest process) reads a launch needs
+nothing from the one that started it; it stops when PID (the pytest process the session belongs to) is gone, and
+kills a launch that runs past its time (a hang fails its tests, not the suite)."""
 import json
 import os
 import sys

@@ -27,6 +27,11 @@ def ranked():
     return cfg, rows, refused
 
 
+# its two tests on one pytest-xdist worker (pytest.ini: --dist loadgroup): on two, each ranked (6.5 CPU-s) for itself
+RANKED = pytest.mark.xdist_group("test_auto-ranked")
+
+
+@RANKED
 def test_ranking_covers_every_knob_and_picks_the_fastest_that_fits(ranked):
     cfg, rows, refused = ranked
     fit = [r for r in rows if r["fits"]]
@@ -52,6 +57,7 @@ def test_ranking_covers_every_knob_and_picks_the_fastest_that_fits(ranked):
     assert " ".join(plan.auto_overrides(fit[0], short=True)) in table[-1]
 
 
+@RANKED
 def test_each_candidate_is_what_its_overrides_train(ranked):
     """A candidate's overrides, set in the config (as train.py does), make the very Layout, micro-batch,
     checkpointing and schedule that were priced: the rule book accepts them and the planner's own prediction of
