@@ -27,7 +27,6 @@ import torch.distributed.distributed_c10d as c10d
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from parallel import comm  # noqa: E402
-from parallel.comm import CommCounter  # noqa: E402
 from tools import jobs  # noqa: E402
 
 RENAMED = (("all_gather_single", "all_gather_into_tensor"), ("reduce_scatter_single", "reduce_scatter_tensor"))
@@ -43,7 +42,7 @@ def old_torch(run_dir):
         delattr(module, new)
     assert not hasattr(dist, "all_gather_single") and not hasattr(c10d, "reduce_scatter_single")
     try:
-        with CommCounter(log=True) as counter:
+        with comm.CommCounter(log=True) as counter:
             yield
     finally:
         for module, new, old, implementation, alias in saved:

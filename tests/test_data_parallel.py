@@ -37,6 +37,8 @@ BF16 = ("ddp", "zero2")
 # ZeRO-1, all four of ZeRO-2, both stages at each world size, local beside sharded accumulation at each
 MIXED = [("zero1", "bfloat16", "local", 2), ("zero2", "bfloat16", "local", 2), ("zero2", "bfloat16", "sharded", 2),
          ("zero1", "float32", "local", 4), ("zero2", "float32", "local", 4), ("zero2", "float32", "sharded", 4)]
+# ZeRO-1 over one data-parallel rank, tp=2 taking both: Megatron's mixed precision under tensor parallelism alone
+DP1 = ("zero1", "float32", "local", "parallel.tp=2")
 SAVER = MIXED[1]  # checkpoints at step 3, from which a run of its own layout and one of another resume
 # DeepSpeed's ZeRO-1, -2 and -3 at world 2. Skipped only where it is not installed: installed and broken fails
 DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -61,7 +63,7 @@ def jobs2(root, request):
     if conftest.BF16:  # bf16 working weights
         these.update({c: mixed(*c[:3], *(["checkpoint.every=3"] if c == SAVER else [])) for c in MIXED if c[3] == 2})
         these["twin"] = mixed("zero2", "bfloat16", "local", "parallel.impl=torch")
-        these["dp1"] = mixed("zero1", "float32", "local", "parallel.tp=2")  # Megatron's: tp alone, a working copy
+        these["dp1"] = mixed(*DP1)
         these["resumed"] = mixed(*SAVER[:3], f"train.resume={run_dir(root, SAVER)}/checkpoints/step_0000003")
     these.update({("bf16", s): small_run(*RUN, f"parallel={s}", "parallel.reduce_dtype=bfloat16") for s in BF16})
     these["fp32-sharded"] = small_run(*RUN, "parallel=zero2", "parallel.accumulate=sharded")
@@ -185,7 +187,7 @@ def test_working_copy_without_data_parallelism(single, runs):
     on a CPU whose bf16 check was forced on)."""
     start, *records = read_metrics(runs["dp1"])
     assert (start["dp"], start["tp"], start["param_dtype"]) == (1, 2, "bfloat16")
-    cfg = make_cfg(*mixed("zero1", "float32", "local", "parallel.tp=2"))
+    cfg = make_cfg(*mixed(*DP1))
     predicted = plan.predict(cfg, Layout.from_config(cfg.parallel, 2))
     steps = [r for r in records if "comm_bytes" in r]
     assert len(steps) == STEPS

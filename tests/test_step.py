@@ -146,7 +146,6 @@ def test_training_steps_run_compiled(tmp_path, launch2):
     model = base(2)
     runs = {"eager": str(tmp_path / "eager"), "single": str(tmp_path / "single"), **launch2[__name__][0]}
     train.run(make_cfg(*model), runs["eager"])
-    os.makedirs(runs["single"])
     with compiled(runs["single"]):
         train.run(make_cfg(*model, "train.compile=true"), runs["single"])
     assert sorted(runs) == sorted(["eager", "single", *COMPILED])
