@@ -9,7 +9,6 @@ import sysconfig
 import time
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(os.path.dirname(ROOT), "shared")
@@ -47,8 +46,8 @@ def token_cache(tmp_path_factory):
 
 
 def make_cfg(*overrides):
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+    from tools import plan
+    return plan.compose(overrides, "config")
 
 
 def small_corpus():

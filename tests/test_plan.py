@@ -188,9 +188,7 @@ def cluster(**kw):
 
 
 def plan_cfg(*overrides):
-    from hydra import compose, initialize_config_dir
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):
-        return compose(config_name="plan", overrides=list(overrides))
+    return plan.compose(overrides)
 
 
 def at(cfg, world):

@@ -29,6 +29,40 @@ def test_every_group_option_composes():
     assert make_cfg("data=text", "data.paths=[a]").data.sample_by == "paragraph"  # inherits the rest from pycode
 
 
+@pytest.mark.quick
+def test_compose_matches_hydra():
+    """tools/plan.py compose (the group choices composed once and copied, the plain key=values applied by Hydra's
+    own code) gives what Hydra's compose gives: the same config and flags, or the same error; and a caller's edits
+    to one config reach no later one."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    from tools import plan
+
+    def hydra(overrides, name):
+        with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):
+            return compose(config_name=name, overrides=overrides)
+
+    cases = [([], "config"), (["parallel=fsdp", "model=llama_tiny", "model.n_layer=3"], "config"),
+             (["model.n_layer=3", "parallel=tp", "parallel.tp=4", "parallel.impl=torch"], "config"),
+             (["data=text", "data.paths=[a,b]", "+train.extra=1", "~checkpoint.keep"], "config"),
+             (["hydra/launcher=submitit_slurm", "launcher.nproc_per_node=2"], "config"),
+             (["parallel=auto", "plan.world=64", "plan.gpu=a100"], "plan"), (["model=gpt_1p3b"], "plan"),
+             (["train.nope=1"], "config"), (["parallel=nope"], "config"), (["+train.seq_len=3"], "config"),
+             (["parallel.tp=[1"], "config"), (["model.n_layer=2", "model.n_layer=3"], "config")]
+    for overrides, name in cases:
+        got = []
+        for fn in (hydra, lambda o, n: plan.compose(o, n)):
+            try:
+                cfg = fn(list(overrides), name)
+                got.append((OmegaConf.to_yaml(cfg), OmegaConf.is_struct(cfg), OmegaConf.is_readonly(cfg)))
+            except Exception as e:
+                got.append((type(e).__name__, str(e), repr(e.__cause__)))
+        assert got[0] == got[1], overrides
+    first = plan.compose(["parallel=fsdp", "model.n_layer=3"], "config")
+    first.model.n_embd = 7
+    assert plan.compose(["parallel=fsdp"], "config").model.n_embd != 7
+
+
 def test_short_run_learns_and_logs(tmp_path):
     run_dir = str(tmp_path / "run")
     cfg = make_cfg(*small_run("train.max_steps=40", "train.eval_every=20", "train.log_every=5",
