@@ -59,6 +59,7 @@ class Train:
     peak_tflops: Optional[float] = field(default=None, metadata={"gt": 0})
     activation_checkpointing: str = choice("none", "full", "every_n", "selective")
     ac_every: int = at_least(1)
+    selective_matmuls: str = choice("all", "alternate")
     out_dir: str = MISSING
     resume: Optional[str] = MISSING
     init_from: Optional[str] = None
@@ -247,6 +248,11 @@ def validate(cfg):
     betas = cfg.optim.get("betas")
     if betas is not None and not (len(betas) == 2 and all(0 <= b < 1 for b in betas)):
         raise ConfigError(f"optim.betas={list(betas)}: expected two numbers in [0, 1)")
+    t = cfg.get("train", {})
+    if t.get("selective_matmuls", "all") != "all" and t.get("activation_checkpointing") != "selective":
+        raise ConfigError(f"train.selective_matmuls={t.selective_matmuls} chooses what selective checkpointing keeps, "
+                          f"but train.activation_checkpointing={t.activation_checkpointing}; set it to selective, or "
+                          f"leave selective_matmuls at all")
 
 
 def model_config(cfg, vocab_size):

@@ -157,7 +157,7 @@ def parallelize(model, layout, p, mesh, make_optimizer, device, train):
     # expert parallel: each MoE block's experts split over ep of the dp x cp ranks, tokens sent by all-to-all
     par_ep = ep.apply_ep(model, mesh, layout) if layout.ep > 1 else ExpertParallel()
     # 3. activation checkpointing, 4. compile: inside the blocks, so the strategies' hooks on them stay outside
-    apply_activation_checkpointing(model, train.activation_checkpointing, train.ac_every)
+    apply_activation_checkpointing(model, train.activation_checkpointing, train.ac_every, train.selective_matmuls)
     if train.compile:
         apply_compile(model, tensor_parallel=dims["tp"] > 1,
                       split_backward=dims["pp"] > 1 and p.pp_schedule == "zero_bubble")
@@ -191,27 +191,41 @@ SELECTIVE_SAVE = tuple(getattr(torch.ops.aten, name).default for name in (
     if hasattr(torch.ops.aten, name))
 
 
-def _selective_policy(ctx, op, *args, **kwargs):
-    # only an op of the autograd graph: the kernels context parallelism runs inside its autograd.Function's forward
-    # (no grad there) are pieces of one attention, whose output nothing keeps; saved, every block's partial output
-    # would stay, cp x a rank's tokens on the ring's last rank (tools/act_memory.py, 2026-12-03); the Function runs
-    # again whole in backward, its communication too, as under full checkpointing
+# the linear layers' matmuls (with and without a bias), which selective_matmuls=alternate counts
+MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+
+
+def _selective_policy(alternate):
+    """The policy of one checkpointed call of a block: keep SELECTIVE_SAVE's outputs; with `alternate`, recompute
+    every second of the block's matmuls too (the 2nd, 4th, ... in the order the block runs them: proj, and the MLP's
+    second; torchtitan's per-op policy), counted apart in forward and in the recomputation so that both pick the
+    same ones."""
     from torch.utils.checkpoint import CheckpointPolicy
-    keep = op in SELECTIVE_SAVE and torch.is_grad_enabled()
-    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+    count = {False: 0, True: 0}
+
+    def policy(ctx, op, *args, **kwargs):
+        # only an op of the autograd graph: the kernels context parallelism runs inside its autograd.Function's
+        # forward (no grad there) are pieces of one attention, whose output nothing keeps; saved, every block's
+        # partial output would stay, cp x a rank's tokens on the ring's last rank (tools/act_memory.py, 2026-12-03);
+        # the Function runs again whole in backward, its communication too, as under full checkpointing
+        keep = op in SELECTIVE_SAVE and torch.is_grad_enabled()
+        if keep and alternate and op in MATMULS:
+            count[ctx.is_recompute] += 1
+            keep = count[ctx.is_recompute] % 2 == 1
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
 
 
-def apply_activation_checkpointing(model, mode, every=1):
+def apply_activation_checkpointing(model, mode, every=1, matmuls="all"):
     """Recompute blocks' activations in backward instead of storing them (torch.utils.checkpoint, non-reentrant):
     mode full = every block, every_n = every `every`-th block, none = off: each checkpointed block keeps only its
     input for backward, and costs one more forward. selective = every block keeps its matmuls' and attention's
-    outputs and recomputes the rest (torch.utils.checkpoint's selective checkpoint contexts, SELECTIVE_SAVE)."""
-    import functools
-
+    outputs and recomputes the rest (torch.utils.checkpoint's selective checkpoint contexts, SELECTIVE_SAVE);
+    matmuls=alternate (train.selective_matmuls) keeps only every other matmul's output of a block."""
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
     if mode == "none":
         return model
-    kw = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _selective_policy)} \
+    kw = {"context_fn": lambda: create_selective_checkpoint_contexts(_selective_policy(matmuls == "alternate"))} \
         if mode == "selective" else {}
     for i, block in enumerate(model.blocks):
         if mode in ("full", "selective") or i % every == 0:

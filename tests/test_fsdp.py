@@ -246,6 +246,10 @@ def test_peak_memory_a_third_of_ddp(tmp_path):
     (["parallel.prefetch=4"], "there are 4 units, so at most 3 can be gathered ahead"),
     (["parallel.param_dtype=float16"], "parallel.param_dtype='float16': expected auto, float32 or bfloat16"),
     (["train.activation_checkpointing=some"], "expected none, full, every_n or selective"),
+    (["train.activation_checkpointing=full", "train.selective_matmuls=alternate"],
+     "train.selective_matmuls=alternate chooses what selective checkpointing keeps, but "
+     "train.activation_checkpointing=full"),
+    (["train.selective_matmuls=half"], "train.selective_matmuls='half': expected all or alternate"),
 ])
 def test_bad_fsdp_settings(tmp_path, overrides, message):
     with pytest.raises(train.ConfigError) as err:

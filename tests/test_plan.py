@@ -540,7 +540,7 @@ def test_real_ranks_keep_what_fake_tensors_count():
 # (checkpointing, dtype) pairs, each with one cp layout and one length in turn: every mode, dtype, cp degree,
 # method and length appears
 MEMORY_CASES = [(ac, dtype, *act_memory.LAYOUTS[i % 5], (8192, 32768)[i % 2])
-                for i, (ac, dtype) in enumerate((ac, dtype) for ac in ("none", "selective", "full")
+                for i, (ac, dtype) in enumerate((ac, dtype) for ac in ("none", "selective", "selective-alternate", "full")
                                                 for dtype in act_memory.DTYPES)]
 
 
@@ -560,7 +560,7 @@ def test_activation_memory_equals_planner(ac, dtype, cp, method, seq):
 # two MoE shapes (model.py's MoE): SwiGLU experts with a shared one in every block, and GELU experts every second
 # block among dense ones; each with the mode of checkpointing that shows it best
 MOE_SHAPES = [({"n_layer": 2, "n_head": 4, "n_embd": 64, "vocab_size": 512, "n_experts": 4, "top_k": 2,
-                "mlp": "swiglu", "n_shared_experts": 1, "ffn_hidden": 128}, ("none", "selective")),
+                "mlp": "swiglu", "n_shared_experts": 1, "ffn_hidden": 128}, ("none", "selective", "selective-alternate")),
               ({"n_layer": 3, "n_head": 4, "n_embd": 64, "vocab_size": 512, "n_experts": 8, "top_k": 2,
                 "mlp": "gelu", "moe_every": 2}, ("full",))]
 
@@ -570,7 +570,8 @@ def test_moe_activations_equal_planner(shape, modes):
     """What an MoE model keeps for backward after one forward (tools/act_memory.py on real tensors, one process,
     float32) against the planner's count (plan.activation_bytes with moe_activation_bytes): equal but for a few
     bytes (4 measured, 2026-12-06), without checkpointing, under selective checkpointing (the router's and the
-    shared expert's matmuls kept, the grouped matmuls recomputed) and full."""
+    shared expert's matmuls kept, the grouped matmuls recomputed), with only every other of those matmuls kept
+    (train.selective_matmuls=alternate), and full."""
     from model import GPT, GPTConfig
     with torch.device("meta"):
         c = GPT(GPTConfig(block_size=256, **shape)).cfg
@@ -580,8 +581,9 @@ def test_moe_activations_equal_planner(shape, modes):
          "shared_hidden": c.n_shared_experts * c.expert_hidden, "aux_loss": True}
     for ac in modes:
         kept, _ = act_memory.measure(1, shape=shape, seq=256, batch=2, ac=ac, compute="real")
-        planned, _ = plan.activation_bytes(s, 2, 256, 4, checkpointed=plan.checkpointed_fraction(ac, c.n_layer),
-                                           selective=ac == "selective")
+        mode, _, matmuls = ac.partition("-")
+        planned, _ = plan.activation_bytes(s, 2, 256, 4, checkpointed=plan.checkpointed_fraction(mode, c.n_layer),
+                                           selective=mode == "selective", alternate=matmuls == "alternate")
         assert kept == pytest.approx(planned, rel=1e-6, abs=64), (ac, kept, planned)
 
 

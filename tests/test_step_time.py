@@ -139,7 +139,10 @@ def test_published_runs():
     """Every bf16 row of tools/published_runs.py is planned (none refused), its measured tokens/s per GPU read
     from the source's own figure; the source's MFU, where it gives both, agrees with its tokens/s under our FLOP
     count within 10% (the sources count FLOPs a little differently); and the planner's accuracy does not slip below
-    what it was on 2026-12-07 (python -m tools.published: 26 of 50 rows within 15%, since Megatron's DDP with 16-bit
+    what it was on 2026-12-08 (python -m tools.published: 28 of 50 rows within 15%, since torchtitan's per-op and
+    per-layer selective checkpointing are planned as ours of the same policy, selective with selective_matmuls=
+    alternate and every_n at 2: its Llama 3 8B A100 rows went from 1.21 and 1.24 to 1.12 and 1.10; 26 on 2026-12-07,
+    since Megatron's DDP with 16-bit
     working weights is planned as our ZeRO-1 in bf16, over one rank where tp x pp take them all; 23 with its dp=1
     rows as our DDP, whose casts at every micro-step cost 10-12% of the blocks' compute; 22 with all of them). It
     was 23 before sequence parallel's norms and residual adds were priced at 1/tp of the tokens, and 22 after: that
@@ -153,7 +156,7 @@ def test_published_runs():
         if row["mfu"] and row["tokens_per_s_per_gpu"]:
             ours = r["measured"] * r["flops_per_token"] / plan.GPUS[row["gpu"]]["peak"]
             assert ours == pytest.approx(row["mfu"], rel=0.10), row["name"]
-    assert sum(0.85 <= r["ratio"] <= 1.15 for r in results) >= 26
+    assert sum(0.85 <= r["ratio"] <= 1.15 for r in results) >= 28
 
 
 @pytest.mark.timing

@@ -204,17 +204,19 @@ def test_val_loss_is_one_quantity(tmp_path):
 
 def test_selective_checkpointing_recomputes_the_cheap_ops(tmp_path):
     """train.activation_checkpointing=selective: the losses and gradient norms of none, and in between none and full
-    in what autograd keeps (the matmuls' and attention's outputs saved, norms, activations and RoPE recomputed)."""
+    in what autograd keeps (the matmuls' and attention's outputs saved, norms, activations and RoPE recomputed);
+    train.selective_matmuls=alternate the same losses, with each block's second matmul (proj) run again."""
     import torch
 
     import parallel
     from model import GPT
     runs = {}
-    for mode in ("none", "selective"):
-        runs[mode] = str(tmp_path / mode)
-        train.run(make_cfg(*small_run("train.max_steps=3", f"train.activation_checkpointing={mode}")), runs[mode])
+    for mode, matmuls in (("none", "all"), ("selective", "all"), ("selective", "alternate")):
+        runs[mode, matmuls] = str(tmp_path / f"{mode}-{matmuls}")
+        train.run(make_cfg(*small_run("train.max_steps=3", f"train.activation_checkpointing={mode}",
+                                      f"train.selective_matmuls={matmuls}")), runs[mode, matmuls])
     steps = [[(r["loss"], r["grad_norm"]) for r in read_metrics(runs[m]) if "loss" in r] for m in runs]
-    assert steps[0] == steps[1], steps
+    assert steps[0] == steps[1] == steps[2], steps
     from collections import Counter
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -228,14 +230,20 @@ def test_selective_checkpointing_recomputes_the_cheap_ops(tmp_path):
             self.n[func.__name__.split(".")[0]] += 1
             return func(*args, **(kwargs or {}))
     ran = {}
-    for mode in ("none", "selective", "full"):
+    for mode, matmuls in (("none", "all"), ("selective", "all"), ("selective", "alternate"), ("full", "all")):
         torch.manual_seed(0)
         model = GPT(config.model_config(make_cfg(*small_run()), 512))
-        parallel.apply_activation_checkpointing(model, mode)
+        parallel.apply_activation_checkpointing(model, mode, 1, matmuls)
         idx = torch.randint(0, 512, (2, 64))
         with Ops() as ops:
             model(idx, idx).backward()
-        ran[mode] = ops.n
+        ran["alternate" if matmuls == "alternate" else mode] = ops.n
     # selective runs no matmul twice (their outputs are kept) but reruns the norms' (rsqrt) in backward; full reruns both
     assert ran["selective"]["mm"] == ran["none"]["mm"] < ran["full"]["mm"], {m: ran[m]["mm"] for m in ran}
     assert ran["none"]["rsqrt"] < ran["selective"]["rsqrt"] == ran["full"]["rsqrt"], {m: ran[m]["rsqrt"] for m in ran}
+    # of a block's four matmuls (qkv, proj, up, down), alternate runs proj again (it keeps qkv's and up's outputs;
+    # down's, the last, backward never reads), full all but down: torch.utils.checkpoint stops recomputing once
+    # backward has what it asked for (tools/plan.py selective_recompute prices the same)
+    L = make_cfg(*small_run()).model.n_layer
+    assert ran["alternate"]["mm"] == ran["none"]["mm"] + L and ran["full"]["mm"] == ran["none"]["mm"] + 3 * L, \
+        {m: ran[m]["mm"] for m in ran}

@@ -110,7 +110,8 @@ def _one_rank(cp, method, shape, seq, batch, ac, dtype):
     if dtype == "bfloat16-weights":  # the parameters alone, as FSDP's and ZeRO's bf16 working copies (buffers fp32)
         for p in model.parameters():
             p.data = p.data.to(torch.bfloat16)
-    parallel.apply_activation_checkpointing(model, ac)
+    mode, _, matmuls = ac.partition("-")  # selective-alternate: train.selective_matmuls=alternate
+    parallel.apply_activation_checkpointing(model, mode, 1, matmuls or "all")
     if cp > 1:
         context_parallel.apply_cp(model, mesh, OmegaConf.create({"cp_method": method}))
     g = torch.Generator().manual_seed(1)
@@ -188,9 +189,11 @@ def planned(cp=1, method="ring", shape=TINY, seq=8192, batch=1, ac="none", dtype
          "vocab": shape["vocab_size"], "n_params": n_params}
     ab = 4 if dtype == "float32" else 2
     rb = 2 if dtype == "bfloat16-weights" else 4
-    checkpointed = plan.checkpointed_fraction(ac, s["n_layer"])
+    mode, _, matmuls = ac.partition("-")
+    checkpointed = plan.checkpointed_fraction(mode, s["n_layer"])
     kept, recompute = plan.cp_activation_bytes(s, batch, seq, ab, cp, method, checkpointed=checkpointed,
-                                               residual_bytes=rb, selective=ac == "selective")
+                                               residual_bytes=rb, selective=mode == "selective",
+                                               alternate=matmuls == "alternate")
     copies = cached = 0
     if dtype == "bfloat16":
         P = plan.params_per_rank(s, 1)
@@ -205,7 +208,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seq", type=int, nargs="+", default=[2048, 8192, 32768])
     ap.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--ac", nargs="+", default=["none", "selective", "full"])
+    ap.add_argument("--ac", nargs="+", default=["none", "selective", "full"],
+                    help="none, selective, selective-alternate (train.selective_matmuls=alternate), full")
     ap.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=DTYPES)
     ap.add_argument("--compute", default="fake", choices=["fake", "real"])
     args = ap.parse_args()

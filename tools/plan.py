@@ -387,8 +387,21 @@ def moe_activation_bytes(shape, tokens, act_bytes, ep=1, tp=1):
     return per_token * tokens + 4 * E // ep * (wide - 1) + 4 * E * shape["aux_loss"]
 
 
+def selective_matmuls(shape, alternate=False):
+    """The widths (elements per token) of the matmul outputs selective checkpointing keeps in a dense block and in an
+    MoE block, in the order the block runs them (model.py): qkv, proj, then the MLP's up (GELU) or gate and up
+    (SwiGLU) and down; an MoE block's router and its shared experts' MLP (its experts' grouped matmuls are not
+    kept). `alternate` (train.selective_matmuls=alternate, parallel._selective_policy): the 1st, 3rd, ... alone."""
+    d, kv, hidden, wide, _ = dims(shape)
+    mlp = lambda f: ([f, f] if wide == 4 else [f]) + [d]  # noqa: E731
+    dense = [d + 2 * kv, d, *mlp(hidden)]
+    shared = shape.get("shared_hidden", 0)
+    routed = [d + 2 * kv, d, shape.get("n_experts", 0), *(mlp(shared) if shared else [])]
+    return (dense[::2], routed[::2]) if alternate else (dense, routed)
+
+
 def activation_bytes(shape, micro, seq, act_bytes, tp=1, sequence_parallel=False, checkpointed=0.0, residual_bytes=4,
-                     selective=False, ring_attention=False, ep=1):
+                     selective=False, ring_attention=False, ep=1, alternate=False):
     """Bytes autograd keeps for backward, one micro-batch (only one is alive at a time), counted in our Block
     (tools/act_memory.py measures them, tests/test_plan.py checks the count); `act_bytes` the compute dtype's (the
     matmuls' outputs), `residual_bytes` the residual stream's, the working weights' dtype (4 under autocast over
@@ -439,17 +452,15 @@ def activation_bytes(shape, micro, seq, act_bytes, tp=1, sequence_parallel=False
     n_ckpt = round(checkpointed * L)
     ckpt = moe_ckpt = d * rb / norm_split * micro * seq  # a checkpointed block's input
     if selective:  # the matmuls' outputs (qkv, proj, up (and gate), down) and the attention's, kept; the rest recomputed
-        n_up = 2 if wide == 4 else 1
-        saved = (d + 2 * kv + 2 * d + n_up * hidden) * ab
-        if not ring_attention:  # the attention kernel's output and log-sum-exp (context parallelism's: recomputed)
-            saved += d * ab + 4 * heads
-        ckpt += saved / tp * micro * seq
-        block -= saved / tp * micro * seq
+        dense, routed = selective_matmuls(shape, alternate)
+        saved = sum(dense) * ab
+        attention_out = 0 if ring_attention else d * ab + 4 * heads
+        # the attention kernel's output and log-sum-exp (context parallelism's: recomputed)
+        ckpt += (saved + attention_out) / tp * micro * seq
+        block -= (saved + attention_out) / tp * micro * seq
         if n_moe:  # an MoE block's matmuls: the router's scores and the shared experts' MLP; its experts' grouped
             # matmuls are recomputed with the rest
-            shared = shape["shared_hidden"]
-            saved_moe = saved - (d + n_up * hidden) * ab + shape["n_experts"] * ab + (n_up * shared + d) * ab * (
-                shared > 0)
+            saved_moe = sum(routed) * ab + attention_out
             moe_ckpt += saved_moe * micro * seq
             moe -= saved_moe * micro * seq
     ids = 8 * micro * seq  # the token ids the embedding keeps (int64)
@@ -462,13 +473,13 @@ def activation_bytes(shape, micro, seq, act_bytes, tp=1, sequence_parallel=False
 
 
 def cp_activation_bytes(shape, micro, seq, act_bytes, cp, method, tp=1, sequence_parallel=False, checkpointed=0.0,
-                        residual_bytes=4, selective=False, ep=1):
+                        residual_bytes=4, selective=False, ep=1, alternate=False):
     """activation_bytes for one cp rank's seq/cp tokens (the ring saves what one process's attention does: q, k, v,
     output and its log-sum-exp, of its own tokens). The all-gather keeps the whole sequence's K and V for backward
     in every layer it doesn't recompute, 2 b (seq - seq/cp) d more than its own. Returns (kept, recomputed at
     once)."""
     kept, recompute = activation_bytes(shape, micro, seq // cp, act_bytes, tp, sequence_parallel, checkpointed,
-                                       residual_bytes, selective, ring_attention=cp > 1, ep=ep)
+                                       residual_bytes, selective, ring_attention=cp > 1, ep=ep, alternate=alternate)
     if cp > 1 and shape.get("n_head") and (act_bytes == 4 or checkpointed):
         # the RoPE tables' rows at the rank's positions (model.GPT.rope), float32, one copy every block's rotation
         # (or checkpoint) keeps
@@ -677,7 +688,8 @@ def crosses_nodes(comm, layout, plan):
     return sum(v for (dim, _), v in comm.items() if spans.get(dim) is not None)
 
 
-def step_time(layout, shape, accum, micro, seq, comm, knobs, ac, checkpointed, plan, act_bytes=2, compiled=False):
+def step_time(layout, shape, accum, micro, seq, comm, knobs, ac, checkpointed, plan, act_bytes=2, compiled=False,
+              alternate=False):
     """(seconds per optimizer step, {what: seconds}). Compute (compute_time): the operations of the rank's share of
     each micro-step priced on the device (tools/step_time.py: matmuls by shape, attention by its kernel, element-wise
     work by its bytes, eager PyTorch's host time per op), what activation checkpointing recomputes (full: the
@@ -711,7 +723,7 @@ def step_time(layout, shape, accum, micro, seq, comm, knobs, ac, checkpointed, p
     strategy, cp_method = layout.strategy, knobs["cp_method"]
     dev = step_time_model.device(plan)
     fwd, bwd, recompute, optimizer = compute_time(layout, shape, accum, micro, seq, knobs, ac, checkpointed, plan,
-                                                  dev, act_bytes, compiled)
+                                                  dev, act_bytes, compiled, alternate)
     bw = bandwidths(layout, plan)
     ep = layout.ep
     size = {"dp": dp_cp, "tp": tp, "cp": cp, "dp_shard": shard, "dp_replicate": dp_cp // shard, "ep": ep,
@@ -798,7 +810,8 @@ def collective_calls(key, layout, shape, accum, knobs):
     return 1
 
 
-def compute_time(layout, shape, accum, micro, seq, knobs, ac, checkpointed, plan, dev, act_bytes, compiled):
+def compute_time(layout, shape, accum, micro, seq, knobs, ac, checkpointed, plan, dev, act_bytes, compiled,
+                 alternate=False):
     """(forward, backward and recomputation of one micro-step, the optimizer's step), seconds, on one rank of
     `layout` (under pp, its stage's share: `shape`), from the ops of tools/step_time.py on `dev`."""
     tp, cp, L = layout.tp, layout.cp, shape["n_layer"]
@@ -823,8 +836,9 @@ def compute_time(layout, shape, accum, micro, seq, knobs, ac, checkpointed, plan
         return dev.combine(device, host)
     fwd = run(blocks + [(head, 1)])
     bwd = run([(step_time_model.backward(o), n) for o, n in blocks + [(head, 1)]])
-    if ac == "selective":  # the element-wise ops again
-        recompute = checkpointed * run([([x for x in o if x[0] == "elementwise"], n) for o, n in blocks])
+    if ac == "selective":  # the element-wise ops again, and with alternate every second matmul
+        recompute = checkpointed * run([(selective_recompute(o, shape, layout.ep, alternate), n)
+                                        for o, n in blocks])
     else:
         recompute = checkpointed * run(blocks)
     P = params_per_rank(shape, tp, layout.ep)
@@ -834,6 +848,20 @@ def compute_time(layout, shape, accum, micro, seq, knobs, ac, checkpointed, plan
         slow = dev.shared(min(layout.world, plan.gpus_per_node))
         fwd, bwd, recompute, optimizer = (x * slow for x in (fwd, bwd, recompute, optimizer))
     return fwd, bwd, recompute, optimizer
+
+
+def selective_recompute(ops, shape, ep=1, alternate=False):
+    """What selective checkpointing runs again of a block's forward `ops` (step_time.block_ops): its element-wise
+    ops; with `alternate`, also the 2nd, 4th, ... of the matmuls the policy counts (parallel._selective_policy: not an
+    MoE block's routed experts, whose grouped matmuls it never keeps), but the last of them, whose output backward
+    never reads (torch.utils.checkpoint stops recomputing once backward has what it asked for: GELU's down, counted
+    on model.py's blocks, tests/test_train.py)."""
+    matmuls = [i for i, o in enumerate(ops) if o[0] == "matmul"]
+    if any(o[0] == "elementwise" and o[1] == "router" for o in ops):  # qkv, proj, the router, then the experts'
+        per_expert = 3 if shape.get("mlp", "gelu") == "swiglu" else 2
+        matmuls = matmuls[:3] + matmuls[3 + per_expert * (shape["n_experts"] // ep):]
+    again = set(matmuls[1:-1:2]) if alternate else set()
+    return [o for i, o in enumerate(ops) if o[0] == "elementwise" or i in again]
 
 
 # --- pipeline parallel
@@ -984,8 +1012,10 @@ def _predict(cfg, layout, ac, shape, plan):
     # the residual stream (and so a checkpointed block's input) in the working weights' dtype
     residual = DTYPE_BYTES[knobs["param_dtype"]]
     selective = ac == "selective"
+    alternate = selective and t.get("selective_matmuls", "all") == "alternate"
     kept, recompute = cp_activation_bytes(shape, t.micro_batch_size, t.seq_len, act_bytes, cp, method, tp,
-                                          knobs["sequence_parallel"], checkpointed, residual, selective, layout.ep)
+                                          knobs["sequence_parallel"], checkpointed, residual, selective, layout.ep,
+                                          alternate)
     memory = {**state, "transient": transient_bytes(layout, shape, P - experts, accum, knobs),
               "activations": kept + recompute,
               "autocast copies": autocast_copy_bytes(shape, P, tp, checkpointed) if act_bytes == 2 and
@@ -1012,7 +1042,7 @@ def _predict(cfg, layout, ac, shape, plan):
         out["balance"] = cp_balance(t.seq_len, cp)
     if plan is not None:
         seconds, parts = step_time(layout, shape, accum, t.micro_batch_size, t.seq_len, comm, knobs, ac,
-                                   checkpointed, plan, act_bytes, t.compile)
+                                   checkpointed, plan, act_bytes, t.compile, alternate)
         parts["each"] = Counter({(dims.get(d, d), k): v for (d, k), v in parts["each"].items()})
         tokens = t.global_batch_size * t.seq_len
         out.update(step_s=seconds, time=parts, tok_per_s=tokens / seconds,

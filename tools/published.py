@@ -50,7 +50,11 @@ def data(row):
 
 def overrides(row):
     micro = row["micro_batch_size"] or 1
-    ac = row["activation_checkpointing"] or "none"
+    ac, _, how = (row["activation_checkpointing"] or "none").partition("-")
+    if ac == "every_2":  # tools/published_runs.py: torchtitan's per-layer SAC
+        ac, how = "every_n", "train.ac_every=2"
+    elif how:  # selective-alternate: torchtitan's per-op SAC
+        how = f"train.selective_matmuls={how}"
     out = [f"model.n_layer={row['n_layer']}", f"model.n_embd={row['n_embd']}", f"model.n_head={row['n_head']}",
            f"model.n_kv_head={row['n_kv_head']}", f"model.ffn_hidden={row['ffn_hidden']}", f"model.mlp={row['mlp']}",
            f"model.vocab_size={row['vocab_size']}", f"model.block_size={row['seq_len']}",
@@ -60,7 +64,7 @@ def overrides(row):
            f"train.micro_batch_size={micro}", f"train.activation_checkpointing={ac}",
            f"parallel.tp={row['tp']}", f"parallel.pp={row['pp']}", f"parallel.cp={row['cp'] or 1}",
            f"parallel.data={data(row)}", "parallel.dp=null",
-           f"plan.world={row['gpus']}", f"plan.gpu={row['gpu']}", "plan.rank=false"]
+           f"plan.world={row['gpus']}", f"plan.gpu={row['gpu']}", "plan.rank=false", *([how] if how else [])]
     if row["pp"] > 1:
         schedule = row["pp_schedule"] or "1f1b"
         out += [f"parallel.pp_schedule={schedule}"]

@@ -15,7 +15,11 @@ inferred rather than read, e.g. a default from the framework's config of the day
   tp, pp, pp_virtual, pp_schedule, cp        pp_schedule is None where pp == 1; pp_virtual None where the source
                                              says the schedule is interleaved but not by how many chunks
   data                         "ddp" | "zero1" | "zero2" | "fsdp" | "hsdp"
-  activation_checkpointing     "none" | "selective" | "full" (None for the one row whose source is silent)
+  activation_checkpointing     as train.activation_checkpointing: "none" | "selective" | "full", or "every_2" (whole
+                               blocks, every second one: torchtitan's per-layer SAC at its default stride) or
+                               "selective-alternate" (train.selective_matmuls=alternate: torchtitan's per-op SAC,
+                               each block's every second matmul recomputed); None for the one row whose source is
+                               silent
   sequence_parallel, compile   bool or None
   dtype                        "bfloat16" | "float16" | "float8" (float8 rows: filter them out for a bf16 planner);
                                None where a paper only says "mixed precision" (16-bit: same A100 peak either way)
@@ -145,22 +149,25 @@ RUNS = [
     _row(
         source=_TT_PERF, url=_TT_PERF_URL, name="Llama 3 8B, 64x A100, FSDP, selective op AC", gpu="a100", gpus=64,
         **_LLAMA3_8B, seq_len=8192, global_batch_size=64, micro_batch_size=1, tp=1, pp=1, pp_virtual=1,
-        pp_schedule=None, cp=1, data="fsdp", activation_checkpointing="selective", sequence_parallel=False,
+        pp_schedule=None, cp=1, data="fsdp", activation_checkpointing="selective-alternate", sequence_parallel=False,
         compile=False, dtype="bfloat16", tokens_per_s_per_gpu=2973.0, tflops_per_gpu=None, mfu=0.582, hfu=None,
         flops_convention=_TT_FLOPS_TOTAL,
         notes=("64x A100 80GB, FSDP2 1D over all 64 ranks; local batch 1 per rank; seq_len 8192 and compile off from"
                " the train config of commit 504e7641 (when the table was written); bf16 compute via FSDP2 mixed "
-               "precision (fp32 reduce). Llama 3 table, row '8B | 1 | selective op (per-op SAC)'.")),
+               "precision (fp32 reduce). Llama 3 table, row '8B | 1 | selective op (per-op SAC)': at 504e7641 "
+               "(parallelize_llama.py) it keeps the outputs of mm and the attention kernels but recomputes every "
+               "second mm of a block, as torchtitan's per-op policy still does.")),
     _row(
         source=_TT_PERF, url=_TT_PERF_URL, name="Llama 3 8B, 64x A100, FSDP, selective layer AC", gpu="a100", gpus=64,
         **_LLAMA3_8B, seq_len=8192, global_batch_size=64, micro_batch_size=1, tp=1, pp=1, pp_virtual=1,
-        pp_schedule=None, cp=1, data="fsdp", activation_checkpointing="selective", sequence_parallel=False,
+        pp_schedule=None, cp=1, data="fsdp", activation_checkpointing="every_2", sequence_parallel=False,
         compile=False, dtype="bfloat16", tokens_per_s_per_gpu=2904.0, tflops_per_gpu=None, mfu=0.568, hfu=None,
         flops_convention=_TT_FLOPS_TOTAL,
         notes=("64x A100 80GB, FSDP2 1D over all 64 ranks; local batch 1 per rank; seq_len 8192 and compile off from"
                " the train config of commit 504e7641 (when the table was written); bf16 compute via FSDP2 mixed "
                "precision (fp32 reduce). Llama 3 table, row '8B | 1 | selective layer (per-layer SAC: whole blocks "
-               "checkpointed at a stride the doc does not give)'.")),
+               "checkpointed at a stride the doc does not give)'; every second block, inferred: the stride "
+               "config_manager.py defaulted to at 504e7641 (selective_ac_option '2').")),
     _row(
         source=_TT_PERF, url=_TT_PERF_URL, name="Llama 3 70B, 64x A100, FSDP, full AC", gpu="a100", gpus=64,
         **_LLAMA3_70B, seq_len=8192, global_batch_size=64, micro_batch_size=1, tp=1, pp=1, pp_virtual=1,
@@ -202,7 +209,7 @@ RUNS = [
     _row(
         source=_TT_DEC24, url=_TT_DEC24_URL, name="Llama 3.1 8B, 8x H100, FSDP", gpu="h100", gpus=8, **_LLAMA3_8B,
         seq_len=8192, global_batch_size=16, micro_batch_size=2, tp=1, pp=1, pp_virtual=1, pp_schedule=None, cp=1,
-        data="fsdp", activation_checkpointing="selective", sequence_parallel=False, compile=False, dtype="bfloat16",
+        data="fsdp", activation_checkpointing="selective-alternate", sequence_parallel=False, compile=False, dtype="bfloat16",
         tokens_per_s_per_gpu=5762.0, tflops_per_gpu=None, mfu=None, hfu=None, flops_convention=_TT_NO_MFU,
         notes=("Table 1 row 'FSDP': 8 GPUs, local batch 2, global 16, selective AC (per-op SAC in the config). "
                "Hardware: " +
@@ -214,7 +221,7 @@ RUNS = [
     _row(
         source=_TT_DEC24, url=_TT_DEC24_URL, name="Llama 3.1 8B, 8x H100, FSDP + compile", gpu="h100", gpus=8,
         **_LLAMA3_8B, seq_len=8192, global_batch_size=16, micro_batch_size=2, tp=1, pp=1, pp_virtual=1,
-        pp_schedule=None, cp=1, data="fsdp", activation_checkpointing="selective", sequence_parallel=False,
+        pp_schedule=None, cp=1, data="fsdp", activation_checkpointing="selective-alternate", sequence_parallel=False,
         compile=True, dtype="bfloat16", tokens_per_s_per_gpu=6667.0, tflops_per_gpu=None, mfu=None, hfu=None,
         flops_convention=_TT_NO_MFU,
         notes=("Table 1 row 'FSDP + torch.compile'. Hardware: " +
@@ -226,7 +233,7 @@ RUNS = [
     _row(
         source=_TT_DEC24, url=_TT_DEC24_URL, name="Llama 3.1 8B, 128x H100, FSDP", gpu="h100", gpus=128, **_LLAMA3_8B,
         seq_len=8192, global_batch_size=256, micro_batch_size=2, tp=1, pp=1, pp_virtual=1, pp_schedule=None, cp=1,
-        data="fsdp", activation_checkpointing="selective", sequence_parallel=False, compile=False, dtype="bfloat16",
+        data="fsdp", activation_checkpointing="selective-alternate", sequence_parallel=False, compile=False, dtype="bfloat16",
         tokens_per_s_per_gpu=5605.0, tflops_per_gpu=None, mfu=None, hfu=None, flops_convention=_TT_NO_MFU,
         notes=("Table 3 row 'FSDP': 128 GPUs, local batch 2, global 256, selective AC. Hardware: " +
                _TT_GT +
@@ -237,7 +244,7 @@ RUNS = [
     _row(
         source=_TT_DEC24, url=_TT_DEC24_URL, name="Llama 3.1 8B, 128x H100, FSDP + compile", gpu="h100", gpus=128,
         **_LLAMA3_8B, seq_len=8192, global_batch_size=256, micro_batch_size=2, tp=1, pp=1, pp_virtual=1,
-        pp_schedule=None, cp=1, data="fsdp", activation_checkpointing="selective", sequence_parallel=False,
+        pp_schedule=None, cp=1, data="fsdp", activation_checkpointing="selective-alternate", sequence_parallel=False,
         compile=True, dtype="bfloat16", tokens_per_s_per_gpu=6514.0, tflops_per_gpu=None, mfu=None, hfu=None,
         flops_convention=_TT_NO_MFU,
         notes=("Table 3 row 'FSDP + torch.compile'. Hardware: " +
@@ -320,7 +327,7 @@ RUNS = [
     _row(
         source=_TT_ATP, url=_TT_ATP_URL, name="Llama 3 8B, 64x H100, FSDP 8 x TP 8, bf16", gpu="h100", gpus=64,
         **_LLAMA3_8B, seq_len=8192, global_batch_size=96, micro_batch_size=12, tp=8, pp=1, pp_virtual=1,
-        pp_schedule=None, cp=1, data="fsdp", activation_checkpointing="selective", sequence_parallel=True, compile=True,
+        pp_schedule=None, cp=1, data="fsdp", activation_checkpointing="selective-alternate", sequence_parallel=True, compile=True,
         dtype="bfloat16", tokens_per_s_per_gpu=4378.0, tflops_per_gpu=None, mfu=None, hfu=None,
         flops_convention=_TT_NO_MFU,
         notes=("Row 'None (bfloat16)', column 'Vanilla TP'. FSDP 8 x TP 8, compile, local batch 12 (global 96 = "
@@ -332,7 +339,7 @@ RUNS = [
     _row(
         source=_TT_ATP, url=_TT_ATP_URL, name="Llama 3 8B, 64x H100, FSDP 8 x async TP 8, bf16", gpu="h100", gpus=64,
         **_LLAMA3_8B, seq_len=8192, global_batch_size=96, micro_batch_size=12, tp=8, pp=1, pp_virtual=1,
-        pp_schedule=None, cp=1, data="fsdp", activation_checkpointing="selective", sequence_parallel=True, compile=True,
+        pp_schedule=None, cp=1, data="fsdp", activation_checkpointing="selective-alternate", sequence_parallel=True, compile=True,
         dtype="bfloat16", tokens_per_s_per_gpu=4809.4, tflops_per_gpu=None, mfu=None, hfu=None,
         flops_convention=_TT_NO_MFU,
         notes=("Row 'None (bfloat16)', column 'Async TP'. FSDP 8 x TP 8, compile, local batch 12 (global 96 = local "
@@ -344,7 +351,7 @@ RUNS = [
     _row(
         source=_TT_H200, url=_TT_H200_URL, name="Llama 3.1 8B, 32x H200, FSDP, float8", gpu="h200", gpus=32,
         **_LLAMA3_8B, seq_len=8192, global_batch_size=64, micro_batch_size=2, tp=1, pp=1, pp_virtual=1,
-        pp_schedule=None, cp=1, data="fsdp", activation_checkpointing="selective", sequence_parallel=False,
+        pp_schedule=None, cp=1, data="fsdp", activation_checkpointing="selective-alternate", sequence_parallel=False,
         compile=True, dtype="float8", tokens_per_s_per_gpu=10938.0, tflops_per_gpu=None, mfu=None, hfu=None,
         flops_convention=_TT_NO_MFU,
         notes=("NUM_NODES=4 row, TPS sampled at step 100. 4 hosts x 8 H200 over NVLink, 400 Gb/s CX-7 RDMA per GPU. "
@@ -353,7 +360,7 @@ RUNS = [
     _row(
         source=_TT_H200, url=_TT_H200_URL, name="Llama 3.1 8B, 64x H200, FSDP, float8", gpu="h200", gpus=64,
         **_LLAMA3_8B, seq_len=8192, global_batch_size=128, micro_batch_size=2, tp=1, pp=1, pp_virtual=1,
-        pp_schedule=None, cp=1, data="fsdp", activation_checkpointing="selective", sequence_parallel=False,
+        pp_schedule=None, cp=1, data="fsdp", activation_checkpointing="selective-alternate", sequence_parallel=False,
         compile=True, dtype="float8", tokens_per_s_per_gpu=10753.0, tflops_per_gpu=None, mfu=None, hfu=None,
         flops_convention=_TT_NO_MFU,
         notes=("NUM_NODES=8 row, TPS sampled at step 100. 8 hosts x 8 H200 over NVLink, 400 Gb/s CX-7 RDMA per GPU. "
