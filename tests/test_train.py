@@ -1,6 +1,8 @@
 import os
+import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -30,7 +32,7 @@ def test_every_group_option_composes():
 
 
 @pytest.mark.quick
-def test_compose_matches_hydra():
+def test_compose_matches_hydra(tmp_path, monkeypatch):
     """tools/plan.py compose (the group choices composed once and copied, the plain key=values applied by Hydra's
     own code) gives what Hydra's compose gives: the same config and flags, or the same error; and a caller's edits
     to one config reach no later one."""
@@ -61,6 +63,15 @@ def test_compose_matches_hydra():
     first = plan.compose(["parallel=fsdp", "model.n_layer=3"], "config")
     first.model.n_embd = 7
     assert plan.compose(["parallel=fsdp"], "config").model.n_embd != 7
+    # a config file edited while the process lives (a notebook's, a test session's): composed afresh
+    conf = tmp_path / "conf"
+    shutil.copytree(os.path.join(ROOT, "conf"), conf)
+    monkeypatch.setattr(plan, "CONF", str(conf))
+    assert plan.compose(["model=gpt_tiny"], "config").model.n_layer == 4
+    preset = conf / "model" / "gpt_tiny.yaml"
+    preset.write_text(preset.read_text().replace("n_layer: 4", "n_layer: 5"))
+    os.utime(preset, ns=(time.time_ns() + 10**9,) * 2)  # a later mtime, whatever the file system's resolution
+    assert plan.compose(["model=gpt_tiny"], "config").model.n_layer == 5
 
 
 def test_short_run_learns_and_logs(tmp_path):

@@ -822,8 +822,9 @@ def compute_time(layout, shape, accum, micro, seq, knobs, ac, checkpointed, plan
     autocast = act_bytes == 2 and knobs["param_dtype"] == "float32"
     residual = DTYPE_BYTES[knobs["param_dtype"]] if act_bytes == 2 else 4
     moe = shape.get("moe_blocks", 0)
+    unfused = plan.get("attention", "flash") == "unfused"
     ops = lambda is_moe: step_time_model.block_ops(shape, tokens, seq, tp, is_moe, layout.ep, autocast,  # noqa
-                                                    knobs["sequence_parallel"] and tp > 1)
+                                                    knobs["sequence_parallel"] and tp > 1, unfused)
     # (ops, times): each kind of block priced once, the L blocks as multiples of it
     blocks = [(ops(False), L - moe)] + ([(ops(True), moe)] if moe else [])
     head = step_time_model.head_ops(shape, tokens, tp, autocast) if shape.get("last", True) else []
@@ -855,7 +856,11 @@ def selective_recompute(ops, shape, ep=1, alternate=False):
     ops; with `alternate`, also the 2nd, 4th, ... of the matmuls the policy counts (parallel._selective_policy: not an
     MoE block's routed experts, whose grouped matmuls it never keeps), but the last of them, whose output backward
     never reads (torch.utils.checkpoint stops recomputing once backward has what it asked for: GELU's down, counted
-    on model.py's blocks, tests/test_train.py)."""
+    on model.py's blocks, tests/test_train.py). With attention unfused (plan.attention=unfused: Megatron-LM's),
+    selective is Megatron's (Korthikanti et al., 2022, sec. 4.2): the attention core again, QK^T, softmax, dropout
+    and the product with V, and nothing else."""
+    if any(o[0] == "attention_unfused" for o in ops):
+        return [o for o in ops if o[0] == "attention_unfused"]
     matmuls = [i for i, o in enumerate(ops) if o[0] == "matmul"]
     if any(o[0] == "elementwise" and o[1] == "router" for o in ops):  # qkv, proj, the router, then the experts'
         per_expert = 3 if shape.get("mlp", "gelu") == "swiglu" else 2
@@ -1314,6 +1319,11 @@ def check_plan(plan):
             return f"plan.{key}={plan[key]!r} must be a positive integer"
     if plan.world > plan.gpus_per_node and plan.world % plan.gpus_per_node:
         return f"plan.world={plan.world} is not a whole number of nodes of {plan.gpus_per_node} GPUs"
+    if plan.get("attention", "flash") not in ("flash", "unfused"):
+        return f"plan.attention={plan.attention!r}: expected flash or unfused"
+    if plan.get("attention") == "unfused" and plan.gpu == "cpu":
+        return ("plan.attention=unfused prices attention on a GPU (Megatron-LM's kernels of 2021-2022); the CPU's "
+                "profile measures torch's fused attention alone: plan.attention=flash")
     for key in ("compute_efficiency", "link_efficiency", "usable_memory"):
         if (plan[key] is not None or key != "compute_efficiency") and not 0 < plan[key] <= 1:
             return f"plan.{key}={plan[key]} must be in (0, 1]"
@@ -1447,14 +1457,18 @@ def compose(overrides, config_name="plan"):
     applies each plain key=value to the result (ConfigLoaderImpl._apply_overrides_to_config, in the order given).
     The first half is nearly all of its time (about 0.2 CPU-s a call: every file parsed again) and repeats across
     calls that differ only in plain values (the planner's candidates, the dry runs' tables, the tests' configs), so
-    it is composed once per set of choices and copied; the second half is Hydra's own, on the copy."""
+    it is composed once per set of choices (and state of conf/'s files: an edited one composes afresh) and copied;
+    the second half is Hydra's own, on the copy."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import ConfigCompositionException
     from omegaconf.errors import OmegaConfBaseException
     parsed = OverridesParser.create().parse_overrides(overrides=list(overrides))
     plain = [o for o in parsed if _plain_override(o)]
-    cfg = copy.deepcopy(_compose_choices(config_name, tuple(o.input_line for o in parsed if not _plain_override(o))))
+    files = tuple((os.path.join(d, f), os.stat(os.path.join(d, f)).st_mtime_ns)
+                  for d, _, names in os.walk(CONF) for f in sorted(names))
+    cfg = copy.deepcopy(_compose_choices(config_name, tuple(o.input_line for o in parsed if not _plain_override(o)),
+                                         files))
     try:
         ConfigLoaderImpl._apply_overrides_to_config(plain, cfg)
     except OmegaConfBaseException as e:  # as Hydra's load_configuration words it
@@ -1474,7 +1488,7 @@ def _plain_override(o):
 
 
 @functools.lru_cache(maxsize=None)
-def _compose_choices(config_name, overrides):
+def _compose_choices(config_name, overrides, files):
     from hydra import compose as hydra_compose, initialize_config_dir
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         return hydra_compose(config_name=config_name, overrides=list(overrides))

@@ -10,7 +10,9 @@ Measured tokens/s per GPU: the source's own where it gives one; else from its MF
 6N + 12 l d s). What the planner is told: the model's shape, the batch, the micro-batch (1 where the source does not
 give it, stated in the row), the layout (tensor, pipeline and context parallel degrees; the data strategy, as
 `data` maps it: Megatron's DDP with 16-bit working weights is our ZeRO-1 in bf16 where it has data parallelism), the
-activation checkpointing mode, and the GPU; 8 GPUs per node over NVLink, InfiniBand between. Tied embeddings are
+activation checkpointing mode (torchtitan's per-op and per-layer policies as ours of the same policy), the attention
+kernel (Megatron-LM's 2021-2022 rows: the scores in memory, plan.attention=unfused; the rest flash-style), and the
+GPU; 8 GPUs per node over NVLink, InfiniBand between. Tied embeddings are
 planned untied (the head's matmul is the same; our rule book refuses a tie under FSDP and pipelines). A row the rule
 book refuses is listed with its line.
 """
@@ -74,6 +76,8 @@ def overrides(row):
         out += ["parallel.sequence_parallel=true"]
     if row["compile"]:
         out += ["train.compile=true"]
+    if row["source"].startswith(("Megatron", "Korthikanti")):  # before FlashAttention: the scores in memory
+        out += ["plan.attention=unfused"]
     return out
 
 

@@ -81,20 +81,21 @@ FUSED = {**ELEMENTWISE,
          "loss": (lambda a, r: (2 * a, 2 * a))}
 # aten ops eager PyTorch dispatches for each, forward and backward (counted on model.py's modules: a linear's
 # matmul and its views; the norm's seven forward and twelve backward ops; a loss chunk's)
-HOST_OPS = {"matmul": (2, 3), "attention": (3, 2), "norm": (7, 12), "rope": (5, 4), "copy": (1, 1),
+HOST_OPS = {"matmul": (2, 3), "attention": (3, 2), "attention_unfused": (4, 6), "norm": (7, 12), "rope": (5, 4), "copy": (1, 1),
             "residual": (1, 1), "gelu": (1, 1), "swiglu": (2, 4), "router": (6, 4), "loss": (3, 6), "cast": (1, 0),
             "add": (1, 0), "adamw": (0, 0)}
 
 
 # --- what a step runs
-def block_ops(shape, tokens, seq, tp=1, moe=False, ep=1, autocast=False, sp=False):
+def block_ops(shape, tokens, seq, tp=1, moe=False, ep=1, autocast=False, sp=False, unfused=False):
     """One block's forward on one rank over `tokens` tokens (micro-batch x seq / cp), each sequence `seq` long: a
     list of ("matmul", M, N, K), ("attention", FLOPs, seq, head_dim, queries' heads) and ("elementwise", kind,
     elements). Tensor parallelism splits the heads and the MLP's width over tp (parallel/tp.py); an MoE block's
     router and routed experts run whole on every tp rank, its experts' rows balanced (each rank of ep processes
     k x its tokens, over E / ep experts). `autocast`: float32 weights cast to bf16 for every matmul. `sp`: sequence
     parallel, whose norms and residual adds each see 1/tp of the tokens (Korthikanti et al. 2022: what it saves
-    besides memory)."""
+    besides memory). `unfused`: attention as Megatron-LM ran it before FlashAttention (plan.attention=unfused;
+    GPU.unfused_attention_s)."""
     d, M = shape["n_embd"], tokens
     rows = M * d // tp if sp else M * d  # the residual stream's elements on this rank
     hd = d // shape["n_head"]
@@ -104,7 +105,7 @@ def block_ops(shape, tokens, seq, tp=1, moe=False, ep=1, autocast=False, sp=Fals
            ("elementwise", "rope", M * (heads * hd + kv)),
            ("elementwise", "copy", M * kv),
            # causal: each query meets seq / 2 keys on average, QK^T and PV at 2 FLOPs each per head_dim
-           ("attention", 4 * M * (seq / 2) * heads * hd, seq, hd, heads),
+           ("attention_unfused" if unfused else "attention", 4 * M * (seq / 2) * heads * hd, seq, hd, heads),
            ("elementwise", "copy", M * heads * hd),
            ("matmul", M, d, heads * hd),
            ("elementwise", "residual", rows),
@@ -179,6 +180,8 @@ class Device:
             return self.matmul_s(*op[1:], a)
         if base == "attention":
             return self.attention_s(*op[1:], a, backward_op)
+        if base == "attention_unfused":
+            return self.unfused_attention_s(*op[1:], a, backward_op)
         return self.elementwise_s(op[1], op[2], a, r, backward_op, compiled)
 
     def host_ops(self, op):
@@ -224,6 +227,19 @@ class GPU(Device):
 
     def attention_s(self, flops, seq, head_dim, heads, a, backward_op):
         return (2.5 if backward_op else 1.0) * flops / (self.peak(a) * ATTENTION_EFFICIENCY) + KERNEL_S
+
+    def unfused_attention_s(self, flops, seq, head_dim, heads, a, backward_op):
+        """Attention with its scores in memory (Megatron-LM 2021-2022, before FlashAttention): per head, QK^T and
+        the product with V as batched matmuls over the whole seq x seq (the causal half computed and masked), a
+        fused scale-mask-softmax reading and writing the scores, dropout writing them again with a byte of mask;
+        backward, the four products of dV, dP, dQ and dK, dropout's and the softmax's backward over the scores."""
+        rows = flops / (4 * (seq / 2) * head_dim)  # (sequences x heads) x seq queries
+        scores = rows * seq
+        hbm = self.spec["hbm"] * MEMORY_EFFICIENCY
+        scores_out, head_out = self.matmul_s(rows, seq, head_dim, a), self.matmul_s(rows, head_dim, seq, a)
+        if backward_op:  # dP = dO V^T makes scores; dV = P^T dO, dQ = dS K, dK = dS^T Q make head_dim-wide outputs
+            return scores_out + 3 * head_out + (5 * a + 1) * scores / hbm + 2 * KERNEL_S
+        return scores_out + head_out + (4 * a + 1) * scores / hbm + 2 * KERNEL_S
 
     def elementwise_s(self, kind, n, a, r, backward_op, compiled=False):
         moved = (FUSED if compiled else ELEMENTWISE)[kind](a, r)[backward_op] * n
