@@ -198,8 +198,9 @@ MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
 def _selective_policy(alternate):
     """The policy of one checkpointed call of a block: keep SELECTIVE_SAVE's outputs; with `alternate`, recompute
     every second of the block's matmuls too (the 2nd, 4th, ... in the order the block runs them: proj, and the MLP's
-    second; torchtitan's per-op policy), counted apart in forward and in the recomputation so that both pick the
-    same ones."""
+    second; torchtitan's per-op policy). torch 2.13 asks the policy in forward alone and replays its answers in the
+    recomputation; earlier versions ask again there (ctx.is_recompute), so each pass keeps a count of its own and
+    both pick the same matmuls."""
     from torch.utils.checkpoint import CheckpointPolicy
     count = {False: 0, True: 0}
 

@@ -1,6 +1,7 @@
 """Llama-shaped models (model.py: grouped-query attention, SwiGLU, q/k/v biases, a tied embedding) under the
-strategies that split or shard the biases, and a tied embedding under ddp and zero2 (every other layout on a Llama
-without biases: tests/test_matrix.py), each equal to parallel=single step for step (loss, grad_norm) and in its
+strategies that split or shard the biases (FSDP and TP under selective checkpointing that keeps every other
+matmul), and a tied embedding under ddp and zero2 (every other layout on a Llama without biases:
+tests/test_matrix.py), each equal to parallel=single step for step (loss, grad_norm) and in its
 final weights; the context parallel ring's bytes with only the key/value heads; the layouts that refuse a tied
 embedding, in one line; the presets' shapes. The runs join the session's shared world-2 and world-4 launches
 (conftest.launch_jobs)."""
@@ -19,13 +20,17 @@ LLAMA = ("model.n_head=4", "model.n_kv_head=2", "model.mlp=swiglu", "model.ffn_h
          f"train.max_steps={STEPS}", "train.eval_every=100", "train.log_every=1")
 TIED = ("model.tie_embeddings=true",)
 SP = ("parallel.sequence_parallel=true",)
+# selective checkpointing that keeps every other matmul's output (train.selective_matmuls=alternate): its count of a
+# block's matmuls (q/k/v's with a bias an addmm) must pick the same ones in forward and in recomputation under
+# tensor parallel's split and FSDP's hooks, and still train as single does
+ALTERNATE = ("train.activation_checkpointing=selective", "train.selective_matmuls=alternate")
 # name: (world, overrides). The layouts without biases or a tied embedding, torch's twins, compile, checkpointing
 # and bf16 are tests/test_matrix.py's (its Llama has no q/k/v biases); these are the strategies that split or shard
 # the biases (FSDP's units, tp's head-wise split, the pipeline's stages, both at once), and the tied embedding where
 # every rank holds the whole model. Each joins its world's one shared launch
 LAYOUTS = {
-    "fsdp": (2, ["parallel=fsdp"]),
-    "tp_sp": (2, ["parallel=tp", *SP]),
+    "fsdp": (2, ["parallel=fsdp", *ALTERNATE]),
+    "tp_sp": (2, ["parallel=tp", *SP, *ALTERNATE]),
     "cp_ring": (2, ["parallel=cp"]), "cp_allgather": (2, ["parallel=cp", "parallel.cp_method=allgather"]),
     "pp": (2, ["parallel=pp"]),
     "fsdp_tp": (4, ["parallel=fsdp", "parallel.tp=2", *SP]),
