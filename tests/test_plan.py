@@ -540,7 +540,8 @@ def test_real_ranks_keep_what_fake_tensors_count():
 # (checkpointing, dtype) pairs, each with one cp layout and one length in turn: every mode, dtype, cp degree,
 # method and length appears
 MEMORY_CASES = [(ac, dtype, *act_memory.LAYOUTS[i % 5], (8192, 32768)[i % 2])
-                for i, (ac, dtype) in enumerate((ac, dtype) for ac in ("none", "selective", "selective-alternate", "full")
+                for i, (ac, dtype) in enumerate((ac, dtype)
+                                                for ac in ("none", "selective", "selective-alternate", "full")
                                                 for dtype in act_memory.DTYPES)]
 
 
@@ -560,7 +561,8 @@ def test_activation_memory_equals_planner(ac, dtype, cp, method, seq):
 # two MoE shapes (model.py's MoE): SwiGLU experts with a shared one in every block, and GELU experts every second
 # block among dense ones; each with the mode of checkpointing that shows it best
 MOE_SHAPES = [({"n_layer": 2, "n_head": 4, "n_embd": 64, "vocab_size": 512, "n_experts": 4, "top_k": 2,
-                "mlp": "swiglu", "n_shared_experts": 1, "ffn_hidden": 128}, ("none", "selective", "selective-alternate")),
+                "mlp": "swiglu", "n_shared_experts": 1, "ffn_hidden": 128},
+               ("none", "selective", "selective-alternate")),
               ({"n_layer": 3, "n_head": 4, "n_embd": 64, "vocab_size": 512, "n_experts": 8, "top_k": 2,
                 "mlp": "gelu", "moe_every": 2}, ("full",))]
 

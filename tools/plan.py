@@ -1463,12 +1463,12 @@ def compose(overrides, config_name="plan"):
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import ConfigCompositionException
     from omegaconf.errors import OmegaConfBaseException
-    parsed = OverridesParser.create().parse_overrides(overrides=list(overrides))
-    plain = [o for o in parsed if _plain_override(o)]
+    plain, choices = [], []
+    for o in OverridesParser.create().parse_overrides(overrides=list(overrides)):
+        (plain if _plain_override(o) else choices).append(o)
     files = tuple((os.path.join(d, f), os.stat(os.path.join(d, f)).st_mtime_ns)
                   for d, _, names in os.walk(CONF) for f in sorted(names))
-    cfg = copy.deepcopy(_compose_choices(config_name, tuple(o.input_line for o in parsed if not _plain_override(o)),
-                                         files))
+    cfg = copy.deepcopy(_compose_choices(config_name, tuple(o.input_line for o in choices), files))
     try:
         ConfigLoaderImpl._apply_overrides_to_config(plain, cfg)
     except OmegaConfBaseException as e:  # as Hydra's load_configuration words it

@@ -81,8 +81,8 @@ FUSED = {**ELEMENTWISE,
          "loss": (lambda a, r: (2 * a, 2 * a))}
 # aten ops eager PyTorch dispatches for each, forward and backward (counted on model.py's modules: a linear's
 # matmul and its views; the norm's seven forward and twelve backward ops; a loss chunk's)
-HOST_OPS = {"matmul": (2, 3), "attention": (3, 2), "attention_unfused": (4, 6), "norm": (7, 12), "rope": (5, 4), "copy": (1, 1),
-            "residual": (1, 1), "gelu": (1, 1), "swiglu": (2, 4), "router": (6, 4), "loss": (3, 6), "cast": (1, 0),
+HOST_OPS = {"matmul": (2, 3), "attention": (3, 2), "attention_unfused": (4, 6), "norm": (7, 12), "rope": (5, 4),
+            "copy": (1, 1), "residual": (1, 1), "gelu": (1, 1), "swiglu": (2, 4), "router": (6, 4), "loss": (3, 6), "cast": (1, 0),
             "add": (1, 0), "adamw": (0, 0)}
 
 
